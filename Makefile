@@ -1,0 +1,31 @@
+# The README's two set-up commands. Both create .venv when it is missing and install the pinned
+# development set (requirements-dev.txt: torch==2.13.0 CPU build and friends) plus polytrain in editable mode.
+#   make demo   -> `polytrain train` with its defaults (local CPU workers, embedded digits data)
+#   make test   -> the whole pytest suite
+# PIP_ARGS passes extra options to pip, e.g. PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# on a machine whose PyPI would otherwise hand out a CUDA build of torch.
+PYTHON ?= python3
+VENV ?= .venv
+PIP_ARGS ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.polytrain-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(PIP_ARGS) -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check $(PIP_ARGS) --no-deps -e .
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/polytrain train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/polytrain bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

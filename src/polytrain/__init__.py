@@ -1,0 +1,31 @@
+"""polytrain: train one PyTorch model on many devices and machines; the parallel strategy is a setting.
+
+Public API::
+
+    polytrain.fit(...)                 a whole training run (what `polytrain train` does)
+    polytrain.make_config(...)         a RunConfig from flag-named settings
+    polytrain.Trainer                  the training loop inside one worker
+    polytrain.launch(fn, workers=N)    run fn(ctx) in N worker processes (or under torchrun)
+    polytrain.strategy(name, ctx)      a strategy for your own training loop
+    polytrain.place / polytrain.device / polytrain.parse_device    device placement
+"""
+
+__version__ = "0.1.0"
+
+from polytrain.api import fit, strategy  # noqa: E402
+from polytrain.config import RunConfig, make_config  # noqa: E402
+from polytrain.data.base import DataBundle, TensorData  # noqa: E402
+from polytrain.dist.launch import WorkerContext, launch  # noqa: E402
+from polytrain.dist.topology import Topology  # noqa: E402
+from polytrain.errors import ConfigError, DivergedError, PolytrainError  # noqa: E402
+from polytrain.strategies import Strategy, available_strategies, get_strategy, register_strategy  # noqa: E402
+from polytrain.train.checkpoint import Checkpointer  # noqa: E402
+from polytrain.train.schedules import Schedule, parse_schedule  # noqa: E402
+from polytrain.train.session import seed_everything  # noqa: E402
+from polytrain.train.trainer import Trainer  # noqa: E402
+
+__all__ = [
+    "Checkpointer", "ConfigError", "DataBundle", "DivergedError", "PolytrainError", "RunConfig", "Schedule",
+    "Strategy", "TensorData", "Topology", "Trainer", "WorkerContext", "available_strategies", "fit",
+    "get_strategy", "launch", "make_config", "parse_schedule", "register_strategy", "seed_everything", "strategy",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from polytrain.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""The Python entry points behind ``polytrain train``: ``fit`` for a whole run, ``strategy`` for your own loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from polytrain.config import RunConfig, make_config, resolve
+from polytrain.data.base import DataBundle
+from polytrain.dist.launch import WorkerContext
+from polytrain.strategies import Strategy, get_strategy
+
+
+def fit(config: RunConfig | None = None, *, model: nn.Module | None = None, data: DataBundle | None = None,
+        **settings: Any) -> dict[str, Any]:
+    """Train and return the run summary (rank 0's). ``settings`` are named like the CLI flags and
+    override ``config``: ``fit(model="mlp", data="digits", strategy="sync", workers=2, steps=100)``.
+
+    A ``model`` or ``data`` object given here is pickled to every worker process.
+    """
+    from polytrain.train.run import run
+
+    if config is None:
+        config = make_config(**settings)
+    elif settings:
+        config = resolve(config.flat(), {k.replace("-", "_"): v for k, v in settings.items()},
+                         file_name="the config passed to fit()")
+    return run(config, model=model, data=data)
+
+
+def strategy(name: str, ctx: WorkerContext, options: Any = None) -> Strategy:
+    """A strategy for your own training loop inside a ``launch``-ed function::
+
+        def train(ctx):
+            sync = polytrain.strategy("sync", ctx)
+            model = sync.prepare_model(build_model())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in sync.batches(dataset, batch_size=64, steps=100):
+                opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+
+        polytrain.launch(train, workers=2)
+    """
+    return get_strategy(name)(ctx.topology, options)

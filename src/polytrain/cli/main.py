@@ -1,0 +1,54 @@
+"""``polytrain``: the command-line entry point. Each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from polytrain import __version__
+from polytrain.cli import devices as devices_cmd
+from polytrain.cli import train as train_cmd
+from polytrain.errors import PolytrainError
+
+
+class Parser(argparse.ArgumentParser):
+    """Reports usage errors as one line that names the fix, instead of a usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="polytrain",
+        description="Train one PyTorch model on many devices and machines. The parallel strategy is a "
+                    "setting: single, sync (data parallel over worker processes); async, pipeline and "
+                    "hybrid are coming.",
+        epilog="Run 'polytrain COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"polytrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    train_cmd.add_parser(sub)
+    devices_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except PolytrainError as exc:
+        print(f"polytrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("polytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

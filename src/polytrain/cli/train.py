@@ -1,0 +1,77 @@
+"""``polytrain train``: every setting is a flag, and can also come from ``--config FILE.toml``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from polytrain.config import SECTION_TITLES, all_options, options_by_section, read_toml, resolve, to_toml
+
+DESCRIPTION = """\
+Train a model. Settings come from built-in defaults, then --config FILE.toml (keys named like the flags,
+e.g. batch_size = 64), then the flags given here. With no flags: the digits CNN on the embedded digits
+data, strategy sync on 2 local CPU worker processes."""
+
+EXAMPLES = """\
+examples:
+  polytrain train
+  polytrain train --strategy single --model mlp:hidden=256x128 --steps 500
+  polytrain train --workers 4 --data cifar10:~/data/cifar-10-batches-py --lr 0.1 \\
+      --lr-schedule exponential:rate=0.1,decay_steps=10000,staircase=true --checkpoint-dir runs/c10
+  torchrun --nnodes 2 --nproc-per-node 4 ... -m polytrain train --strategy sync   (see README)
+"""
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("train", help="train a model", description=DESCRIPTION, epilog=EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved settings as TOML (a valid --config file) and exit")
+    for section, infos in options_by_section():
+        group = parser.add_argument_group(SECTION_TITLES.get(section, section))
+        for info in infos:
+            group.add_argument(info.flag, dest=info.key, **_argument_kwargs(info))
+    parser.set_defaults(handler=run)
+
+
+def _argument_kwargs(info: Any) -> dict[str, Any]:
+    meta = info.meta
+    default = "" if info.default in (None, {}, []) else f" (default: {str(info.default).lower() if isinstance(info.default, bool) else info.default})"
+    if info.type == "bool":
+        return {"action": argparse.BooleanOptionalAction, "help": meta["help"] + default}
+    kwargs: dict[str, Any] = {"help": meta["help"] + default, "metavar": meta["metavar"] or info.key.upper()}
+    if meta["choices"]:
+        kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+    if meta["repeat"]:
+        kwargs["action"] = "append"
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    from polytrain.train.run import run as run_training
+
+    given = vars(args)
+    file_values = read_toml(given["config"]) if "config" in given else {}
+    flags = {info.key: given[info.key] for info in all_options() if info.key in given}
+    config = resolve(file_values, flags, file_name=given.get("config", "config file"))
+    if given.get("print_config"):
+        print(to_toml(config), end="")
+        return 0
+    summary = run_training(config)
+    print(format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def num(key: str, spec: str = ".4f") -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else format(value, spec)
+
+    ranks = summary.get("rank_examples_per_sec") or []
+    per_rank = f" (per rank {' / '.join(f'{v:.0f}' for v in ranks)})" if len(ranks) > 1 else ""
+    return (f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s with {summary['strategy']} on "
+            f"{summary['workers']} worker(s)\n"
+            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}\n"
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}")

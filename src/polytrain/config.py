@@ -1,0 +1,191 @@
+"""The resolved configuration of a run: every component's dataclass section, merged in one place.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. A config file uses the
+flags' names as flat keys (``batch_size = 64`` or ``batch-size = 64``); tables only for the ``*_args``
+keys (``model_args = { hidden = [64, 32] }``). Unknown keys and bad values are errors that name the key
+and what it accepts. ``to_toml`` writes a file that ``--config`` reads back to the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from polytrain.data.config import DataConfig
+from polytrain.dist.launch import LaunchConfig
+from polytrain.errors import ConfigError
+from polytrain.models.registry import ModelConfig
+from polytrain.options import OptionInfo, convert, option, section_options
+from polytrain.strategies.sync import SyncConfig
+from polytrain.train.checkpoint import CheckpointConfig
+from polytrain.train.loggers import LogConfig
+from polytrain.train.optim import OptimConfig
+from polytrain.train.trainer import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class DeviceConfig:
+    device: str = option("cpu", "device per worker: cpu | cuda | cuda:N | cuda:0,1 | mps | auto "
+                         "(TensorFlow forms like /gpu:1 work too)", metavar="SPEC")
+    soft_placement: bool = option(False, "fall back to CPU (logged) when a device or an operator is unavailable")
+    place: str | None = option(None, "put sub-modules on devices: features=cuda:0,classifier=cuda:1",
+                               metavar="MODULE=DEV,...")
+    placement: str | None = option(None, "placement plan file (TOML: module = device)", metavar="FILE.toml")
+    log_placement: bool = option(False, "print and save the module → device table and the first step's "
+                                 "per-operator device log")
+    gpu_memory_fraction: float | None = option(None, "cap this process's share of GPU memory (0..1]",
+                                               metavar="F", check=lambda f: _fraction(f))
+
+
+def _fraction(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1], got {value}")
+
+
+@dataclass
+class RunConfig:
+    """Every setting of a training run, grouped by the component it configures."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """``{key: value}`` over all sections (keys are unique across sections)."""
+        return {info.key: getattr(getattr(self, info.section), info.key) for info in all_options()}
+
+    def global_batch(self, workers: int) -> int:
+        data = self.data
+        return data.worker_batch_size * workers if data.worker_batch_size else int(data.batch_size)
+
+
+SECTION_TITLES = {
+    "train": "training", "model": "model", "data": "data", "optim": "optimizer and learning rate",
+    "device": "devices and placement", "launch": "workers and launcher", "sync": "strategy sync",
+    "checkpoint": "checkpoints", "log": "logging",
+}
+
+#: pairs of settings of which a run uses one; the higher-precedence source wins, the same source may not set both
+EXCLUSIVE = (("steps", "epochs"), ("batch_size", "worker_batch_size"), ("place", "placement"))
+
+
+def all_options() -> list[OptionInfo]:
+    out: list[OptionInfo] = []
+    for f in dataclasses.fields(RunConfig):
+        out += section_options(f.name, f.default_factory)  # type: ignore[arg-type,misc]
+    return out
+
+
+_BY_KEY = {info.key: info for info in all_options()}
+assert len(_BY_KEY) == len(all_options()), "config keys must be unique across sections"
+
+
+def _normalise_key(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _BY_KEY, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; accepted keys: {', '.join(sorted(_BY_KEY))}"
+    return ConfigError(f"{source}: unknown key '{key}'{hint}")
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _normalise_key(key)
+        if name not in _BY_KEY:
+            raise _unknown_key(key, f"config file {path}")
+        values[name] = value
+    return values
+
+
+def resolve(file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None,
+            *, file_name: str = "config file") -> RunConfig:
+    """Merge defaults < file < flags into a checked :class:`RunConfig`."""
+    layers = [(file_values or {}, lambda k: f"{k} in {file_name}"), (flag_values or {}, lambda k: _BY_KEY[k].flag)]
+    chosen: dict[str, tuple[Any, str]] = {}
+    for values, source_of in layers:
+        for group in EXCLUSIVE:
+            present = [k for k in group if values.get(k) is not None]
+            if len(present) > 1:
+                raise ConfigError(f"{' and '.join(source_of(k) for k in present)}: give only one of them")
+            if present:  # this layer picks one of the pair: forget what a lower layer said about the other
+                for other in group:
+                    chosen.pop(other, None)
+        for key, value in values.items():
+            if key not in _BY_KEY:
+                raise _unknown_key(key, "settings")
+            chosen[key] = (value, source_of(key))
+    config = RunConfig()
+    for key, (value, source) in chosen.items():
+        info = _BY_KEY[key]
+        setattr(getattr(config, info.section), key, convert(info, value, source))
+    for group in EXCLUSIVE:  # a default of one member yields to a chosen other member
+        picked = [k for k in group if k in chosen and getattr(getattr(config, _BY_KEY[k].section), k) is not None]
+        for other in group:
+            if picked and other not in picked:
+                setattr(getattr(config, _BY_KEY[other].section), other, None)
+    return config
+
+
+def make_config(**settings: Any) -> RunConfig:
+    """A config from Python keyword arguments named like the flags: ``make_config(model="mlp", steps=50)``."""
+    return resolve(None, {_normalise_key(k): v for k, v in settings.items()}, file_name="arguments")
+
+
+def to_toml(config: RunConfig, *, comment: str = "") -> str:
+    """The resolved config as a flat TOML file that ``--config`` reads back."""
+    lines = [f"# {line}" for line in comment.splitlines()] if comment else []
+    by_section: dict[str, list[OptionInfo]] = {}
+    for info in all_options():
+        by_section.setdefault(info.section, []).append(info)
+    for section, infos in by_section.items():
+        lines.append(f"\n# -- {SECTION_TITLES.get(section, section)}")
+        for info in infos:
+            value = getattr(getattr(config, section), info.key)
+            lines.append(f"{info.key} = {_toml_value(value)}" if value is not None else f"# {info.key} = (unset)")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def options_by_section() -> Iterable[tuple[str, list[OptionInfo]]]:
+    seen: dict[str, list[OptionInfo]] = {}
+    for info in all_options():
+        seen.setdefault(info.section, []).append(info)
+    return seen.items()

@@ -1,0 +1,144 @@
+"""Global batches and each worker's slice of them.
+
+A :class:`BatchPlan` fixes, for every (epoch, batch), which examples form the *global* batch: a seeded
+permutation per epoch, cut into ``global_batch`` pieces (the ragged tail is dropped so every step sees the
+same number of examples). A :class:`Shard` then takes worker ``index``'s contiguous slice. The union of all
+slices is exactly the global batch, each example once per epoch, so N workers on slices compute the same
+averaged gradient as one device on the whole batch. Both are plain data: printable and testable alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+_EPOCH_STRIDE = 1_000_003  # keeps the per-epoch permutation seeds of nearby run seeds apart
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    num_examples: int
+    global_batch: int
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global batch must be >= 1, got {self.global_batch}")
+        if self.global_batch > self.num_examples:
+            raise ValueError(
+                f"the global batch ({self.global_batch}) is larger than the dataset ({self.num_examples} examples)"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.global_batch
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within epoch) of a global step."""
+        return divmod(step, self.steps_per_epoch)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_examples)
+        gen = torch.Generator().manual_seed(self.seed * _EPOCH_STRIDE + epoch)
+        return torch.randperm(self.num_examples, generator=gen)
+
+    def global_indices(self, step: int) -> torch.Tensor:
+        epoch, batch = self.position(step)
+        start = batch * self.global_batch
+        return self.order(epoch)[start : start + self.global_batch]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Worker ``index`` of ``count`` data-parallel workers takes the index-th equal slice of a batch."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index {self.index} is outside 0..{self.count - 1}")
+
+    def take(self, items: torch.Tensor) -> torch.Tensor:
+        if len(items) % self.count:
+            raise ValueError(f"a batch of {len(items)} does not split evenly over {self.count} workers")
+        size = len(items) // self.count
+        return items[self.index * size : (self.index + 1) * size]
+
+    def take_ragged(self, items: torch.Tensor) -> torch.Tensor:
+        """Near-equal contiguous slices of any length (used for evaluation, where nothing is dropped)."""
+        bounds = [len(items) * i // self.count for i in range(self.count + 1)]
+        return items[bounds[self.index] : bounds[self.index + 1]]
+
+
+class _StepSampler(Sampler[list[int]]):
+    """Yields this shard's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path)."""
+
+    def __init__(self, plan: BatchPlan, shard: Shard, start: int, stop: int):
+        self.plan, self.shard, self.start, self.stop = plan, shard, start, stop
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.stop):
+            yield self.shard.take(self.plan.global_indices(step)).tolist()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+class ShardedBatches:
+    """This worker's batches for global steps ``start_step ..``, as ``(step, x, y)`` on ``device``.
+
+    In-memory datasets with ``get_batch`` are indexed in one op; other map-style datasets go through a
+    ``DataLoader`` (``num_workers`` loader processes) fed by the same plan.
+    """
+
+    def __init__(self, dataset: Dataset, plan: BatchPlan, shard: Shard, device: torch.device,
+                 start_step: int = 0, num_workers: int = 0):
+        self.dataset, self.plan, self.shard, self.device = dataset, plan, shard, device
+        self.start_step, self.num_workers = start_step, num_workers
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        if hasattr(self.dataset, "get_batch"):
+            yield from self._direct()
+        else:
+            yield from self._loader()
+
+    def _direct(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        step = self.start_step
+        while True:
+            indices = self.shard.take(self.plan.global_indices(step))
+            x, y = self.dataset.get_batch(indices, self.plan.position(step)[0])
+            yield step, self._to_device(x), self._to_device(y)
+            step += 1
+
+    def _loader(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        step = self.start_step
+        per_epoch = self.plan.steps_per_epoch
+        while True:
+            epoch_end = (step // per_epoch + 1) * per_epoch
+            loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard, step, epoch_end),
+                                num_workers=self.num_workers, pin_memory=self.device.type == "cuda")
+            for x, y in loader:
+                yield step, self._to_device(x), self._to_device(y)
+                step += 1
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True) if t.device != self.device else t
+
+
+def eval_batches(dataset: Dataset, batch_size: int, shard: Shard, device: torch.device
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This worker's contiguous part of ``dataset``, every example once, in batches of ``batch_size``."""
+    mine = shard.take_ragged(torch.arange(len(dataset)))
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start : start + batch_size]
+        if hasattr(dataset, "get_batch"):
+            x, y = dataset.get_batch(indices, 0)
+        else:
+            x, y = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
+        yield x.to(device), y.to(device)

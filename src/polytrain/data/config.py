@@ -1,0 +1,22 @@
+"""Settings for where training data comes from and how it is batched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polytrain.options import option
+
+
+@dataclass
+class DataConfig:
+    data: str = option("digits", "dataset: digits | synthetic[:k=v,...] | cifar10:DIR | package.module:factory",
+                       metavar="NAME")
+    data_args: dict[str, Any] = option({}, "extra dataset argument (repeatable)", flag="--data-arg",
+                                       metavar="KEY=VALUE", repeat=True)
+    batch_size: int | None = option(64, "global batch size per optimizer step (split over the workers)",
+                                    minimum=1, metavar="N")
+    worker_batch_size: int | None = option(None, "examples per worker per step instead of a global --batch-size",
+                                           minimum=1, metavar="N")
+    data_workers: int = option(0, "DataLoader processes per worker for datasets that are not in memory",
+                               minimum=0, metavar="N")

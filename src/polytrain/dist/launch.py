@@ -1,0 +1,256 @@
+"""Run a function in N worker processes: spawned on this machine, or joined to torchrun's group.
+
+``launch(fn, workers=N)`` calls ``fn(ctx, *args)`` in every worker, where ``ctx`` is a
+:class:`WorkerContext` (rank, world size, device, topology), and returns the workers' return values in
+rank order. Three ways in, one result:
+
+* under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) the process joins torchrun's group and
+  runs ``fn`` once; any node count works;
+* ``workers == 1`` runs ``fn`` in this process, without a process group;
+* otherwise N processes are spawned, rendezvous through a store that listens on 127.0.0.1 only, and
+  are supervised: if one dies, the rest are stopped and the error names the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from polytrain.devices.spec import default_backend, parse_device, resolve_device
+from polytrain.dist.rendezvous import StoreServer, connect_store, is_loopback, loopback_interface
+from polytrain.dist.supervisor import describe_exception, supervise
+from polytrain.dist.topology import Topology
+from polytrain.errors import ConfigError
+from polytrain.log import setup_logging
+from polytrain.options import option
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def _check_workers(value: str) -> None:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"must be a whole number >= 1 or 'auto', got '{value}'")
+
+
+@dataclass
+class LaunchConfig:
+    workers: str = option("2", "worker processes: N, or auto (one per CPU core; one per GPU with --device cuda)",
+                          metavar="N|auto", check=_check_workers)
+    threads_per_worker: int | None = option(None, "CPU threads per worker (default: cores / workers)", minimum=1)
+    backend: str = option("auto", "collective backend (auto: nccl when every worker has a GPU, else gloo)",
+                          choices=BACKENDS)
+    timeout: float = option(300.0, "seconds before the rendezvous or any collective gives up", minimum=1.0,
+                            metavar="S")
+    master_port: int | None = option(None, "port of the local rendezvous on 127.0.0.1 (default: a free one)",
+                                     minimum=0, metavar="PORT")
+    log_all_ranks: bool = option(False, "every rank logs, prefixed [rank N] (default: rank 0 only)")
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a launched function gets: where it runs and the group it belongs to."""
+
+    topology: Topology
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a spawned worker needs (picklable)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    world_size: int
+    device: str
+    backend: str
+    timeout_s: float
+    threads: int
+    store_port: int
+    log_all_ranks: bool
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def resolve_workers(workers: str | int, device: str) -> int:
+    """``auto`` → one worker per visible GPU (CUDA devices) or per CPU core."""
+    if isinstance(workers, int) or workers != "auto":
+        count = int(workers)
+        if count < 1:
+            raise ConfigError(f"--workers must be >= 1, got {count}")
+        return count
+    spec = parse_device(device)
+    if spec.type in ("cuda", "auto") and torch.cuda.is_available():
+        return len(spec.indices) or torch.cuda.device_count()
+    return available_cores()
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend: unknown backend '{backend}'; accepted: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return default_backend(resolve_device(device, local_rank=0))
+
+
+def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: str = "cpu",
+           backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
+           master_port: int | None = None, log_all_ranks: bool = False) -> list[Any]:
+    """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
+
+    ``fn`` must be importable by name (defined at module level) because workers are spawned, and a
+    script that calls ``launch`` must guard it with ``if __name__ == "__main__":``.
+    """
+    if under_torchrun():
+        return [_join_torchrun(fn, args, device, backend, timeout)]
+    count = resolve_workers(workers, device)
+    if count == 1:
+        return [_run_in_process(fn, args, device, log_all_ranks)]
+    return _spawn(fn, args, count, device, resolve_backend(backend, device), timeout,
+                  threads_per_worker or max(1, available_cores() // count), master_port, log_all_ranks)
+
+
+def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, log_all_ranks: bool) -> Any:
+    setup_logging(0, 1, all_ranks=log_all_ranks)
+    return fn(WorkerContext(Topology(device=resolve_device(device))), *args)
+
+
+def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], count: int, device: str, backend: str,
+           timeout: float, threads: int, master_port: int | None, log_all_ranks: bool) -> list[Any]:
+    _check_devices(count, device, backend)
+    server = StoreServer(timedelta(seconds=timeout), "127.0.0.1", master_port or 0)
+    job = _Job(fn, args, count, device, backend, timeout, threads, server.port, log_all_ranks)
+    ctx = mp.get_context("spawn")
+    processes, conns = [], []
+    try:
+        with _worker_environment(threads):
+            for rank in range(count):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
+                proc.start()
+                send.close()
+                processes.append(proc)
+                conns.append(recv)
+        return supervise(processes, conns)
+    except KeyboardInterrupt:
+        from polytrain.dist.supervisor import stop_all
+        stop_all(processes)
+        raise
+    finally:
+        server.close()
+
+
+def _check_devices(count: int, device: str, backend: str) -> None:
+    if backend == "nccl":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < count:
+            raise ConfigError(f"backend nccl needs one GPU per worker: {count} workers, {visible} GPU(s) visible; "
+                              "use fewer --workers, or --device cpu --backend gloo")
+
+
+@contextlib.contextmanager
+def _worker_environment(threads: int) -> Iterator[None]:
+    """Environment the spawned workers inherit: thread counts, and gloo pinned to loopback."""
+    values = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        values["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL if the launcher dies, so no worker outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _worker_main(job: _Job, rank: int, conn: Any) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
+    torch.set_num_threads(job.threads)
+    setup_logging(rank, job.world_size, all_ranks=job.log_all_ranks)
+    try:
+        topology = _init_spawned(job, rank)
+        try:
+            result = job.fn(WorkerContext(topology), *job.args)
+        finally:
+            dist.destroy_process_group()
+        conn.send(("ok", result))
+    except BaseException as exc:  # report everything, including SystemExit, to the launcher
+        conn.send(("error", describe_exception(exc)))
+        conn.close()
+        os._exit(1)
+    conn.close()
+
+
+def _init_spawned(job: _Job, rank: int) -> Topology:
+    timeout = timedelta(seconds=job.timeout_s)
+    device = resolve_device(job.device, local_rank=rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = connect_store("127.0.0.1", job.store_port, timeout)
+    dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size, timeout=timeout)
+    return Topology(rank, job.world_size, rank, job.world_size, device, job.backend, dist.group.WORLD, timeout)
+
+
+def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, backend: str,
+                   timeout: float) -> Any:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    setup_logging(rank, world)
+    if is_loopback(os.environ.get("MASTER_ADDR", "")) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    resolved = resolve_device(device, local_rank=local_rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    chosen = backend if backend != "auto" else default_backend(resolved)
+    delta = timedelta(seconds=timeout)
+    dist.init_process_group(chosen, timeout=delta)
+    topology = Topology(rank, world, local_rank, local_world, resolved, chosen, dist.group.WORLD, delta)
+    try:
+        return fn(WorkerContext(topology), *args)
+    finally:
+        dist.destroy_process_group()

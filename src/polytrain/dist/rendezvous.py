@@ -1,0 +1,71 @@
+"""How worker processes find each other without listening beyond loopback.
+
+PyTorch's TCPStore binds every interface even when told ``127.0.0.1``. The local launcher therefore binds a
+socket itself, to ``127.0.0.1`` (or the address the user passes), and hands TCPStore the listening file
+descriptor; workers connect to it as clients. Gloo is pinned to the loopback interface with
+``GLOO_SOCKET_IFNAME`` so its own listening sockets stay on loopback too.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from polytrain.errors import ConfigError
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        if name == "lo" or name.startswith("lo0"):
+            return name
+    for name in names:
+        if name.startswith("lo"):
+            return name
+    raise ConfigError(f"no loopback interface found among {', '.join(names)}; set GLOO_SOCKET_IFNAME yourself")
+
+
+def bind_listener(address: str, port: int) -> socket.socket:
+    """A listening TCP socket on exactly ``address:port`` (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {address} is already in use; pass another --master-port "
+                              "or leave it out to pick a free port") from None
+        raise ConfigError(f"cannot listen on {address}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class StoreServer:
+    """The rendezvous store, hosted by the launcher process on a socket bound to one address."""
+
+    def __init__(self, timeout: timedelta, address: str = "127.0.0.1", port: int = 0):
+        self._sock = bind_listener(address, port)
+        self.address = address
+        self.port = self._sock.getsockname()[1]
+        self.store = dist.TCPStore(address, self.port, None, is_master=True, timeout=timeout,
+                                   wait_for_workers=False, master_listen_fd=self._sock.fileno())
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def connect_store(address: str, port: int, timeout: timedelta) -> dist.Store:
+    return dist.TCPStore(address, port, None, is_master=False, timeout=timeout)

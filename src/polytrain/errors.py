@@ -1,0 +1,45 @@
+"""Errors that polytrain reports to users.
+
+A :class:`PolytrainError` is a user error: the CLI prints its message as one line, with no traceback,
+and exits with its ``exit_code``. Anything else escaping a command is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class PolytrainError(Exception):
+    """A problem the user can fix; the message says what was wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(PolytrainError):
+    """A bad configuration key, flag value or combination of settings."""
+
+
+class DeviceError(PolytrainError):
+    """A device that does not exist, is not available, or cannot run an operator."""
+
+
+class DataError(PolytrainError):
+    """A dataset that cannot be found or read."""
+
+
+class DivergedError(PolytrainError):
+    """The loss became NaN or infinite; training stopped."""
+
+    exit_code = 3
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(
+            f"model diverged at step {step}: loss is {loss}; "
+            "lower --lr, add warmup (e.g. --lr-schedule cosine:warmup=100) or check the data"
+        )
+        self.step = step
+        self.loss = loss
+
+
+class WorkerError(PolytrainError):
+    """A worker process failed; the message names its rank and error."""
+
+    exit_code = 1

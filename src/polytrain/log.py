@@ -1,0 +1,44 @@
+"""Rank-aware logging for the ``polytrain`` logger.
+
+Rank 0 speaks at INFO by default; other ranks only report warnings and errors, prefixed ``[rank N]``.
+With ``all_ranks=True`` every rank speaks and every line carries its ``[rank N]`` prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "polytrain"
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int, world_size: int, all_ranks: bool):
+        super().__init__()
+        self.prefix = f"[rank {rank}] " if world_size > 1 and (all_ranks or rank != 0) else ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            message = f"{record.levelname.lower()}: {message}"
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        return self.prefix + message
+
+
+def setup_logging(rank: int = 0, world_size: int = 1, *, all_ranks: bool = False,
+                  level: int = logging.INFO) -> logging.Logger:
+    """Configure the ``polytrain`` logger for this process and return it."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_RankFormatter(rank, world_size, all_ranks))
+    logger.addHandler(handler)
+    logger.setLevel(level if (rank == 0 or all_ranks) else max(level, logging.WARNING))
+    logger.propagate = False
+    return logger
+
+
+def get_logger(name: str | None = None) -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME if not name else f"{LOGGER_NAME}.{name}")

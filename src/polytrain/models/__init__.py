@@ -1,0 +1,8 @@
+"""Reference models: ``cifar_cnn``, ``mlp``, ``digits_cnn``; and the registry that builds them by name."""
+
+from polytrain.models.cifar_cnn import cifar_cnn
+from polytrain.models.digits_cnn import digits_cnn
+from polytrain.models.mlp import mlp
+from polytrain.models.registry import available_models, build_model, register_model
+
+__all__ = ["available_models", "build_model", "cifar_cnn", "digits_cnn", "mlp", "register_model"]

@@ -1,0 +1,23 @@
+"""A small CNN for the 8×8 handwritten digits: two 3×3 convolutions, one pool, two dense layers."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def digits_cnn(input_shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10, channels: int = 32) -> nn.Module:
+    if len(input_shape) != 3:
+        raise ValueError(f"digits_cnn needs image inputs CxHxW, got shape {input_shape}")
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Sequential(
+            nn.Conv2d(c, channels, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+        ),
+        nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * channels * (h // 2) * (w // 2), 128), nn.ReLU(),
+            nn.Linear(128, num_classes),
+        ),
+    )

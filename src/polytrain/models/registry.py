@@ -1,0 +1,80 @@
+"""Reference models by name, plus user factories given as ``package.module:factory``.
+
+A factory is called with the keyword arguments it accepts among ``input_shape`` and ``num_classes``
+(taken from the data) and the user's ``--model-arg key=value`` / ``mlp:key=value`` arguments.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from polytrain.errors import ConfigError
+from polytrain.options import option
+from polytrain.models.cifar_cnn import cifar_cnn
+from polytrain.models.digits_cnn import digits_cnn
+from polytrain.models.mlp import mlp
+from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
+
+ModelFactory = Callable[..., nn.Module]
+
+_MODELS: dict[str, ModelFactory] = {"cifar_cnn": cifar_cnn, "mlp": mlp, "digits_cnn": digits_cnn}
+
+
+def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    """Decorator: make ``factory`` available as ``--model name``."""
+    def add(factory: ModelFactory) -> ModelFactory:
+        _MODELS[name] = factory
+        return factory
+    return add
+
+
+def available_models() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_factory(spec: str) -> tuple[ModelFactory, dict[str, Any]]:
+    """The factory a model spec names and the arguments written in the spec itself."""
+    if spec in _MODELS or (":" in spec and spec.split(":", 1)[0] in _MODELS):
+        parsed = parse_spec(spec, what="--model")
+        if parsed.args:
+            raise ConfigError(f"--model: '{spec}' has positional values; use key=value (e.g. mlp:hidden=64x32)")
+        return _MODELS[parsed.name], dict(parsed.kwargs)
+    if is_import_path(spec):
+        return load_factory(spec, what="--model"), {}
+    close = difflib.get_close_matches(spec.split(":", 1)[0], _MODELS, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(
+        f"--model: unknown model '{spec}'{hint}; choose one of {', '.join(available_models())} "
+        "or give your own factory as package.module:function"
+    )
+
+
+def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: tuple[int, ...],
+                num_classes: int) -> nn.Module:
+    """Build the model named by ``spec`` for inputs of ``input_shape`` and ``num_classes`` outputs."""
+    factory, spec_args = resolve_model_factory(spec)
+    clash = set(spec_args) & set(args or {})
+    if clash:
+        raise ConfigError(f"--model: {', '.join(sorted(clash))} given both in '{spec}' and as --model-arg")
+    kwargs = {**spec_args, **(args or {})}
+    try:
+        model = call_with_accepted(
+            factory, f"--model {spec}", _input_shape=tuple(input_shape), _num_classes=num_classes, **kwargs
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--model {spec}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {spec}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+@dataclass
+class ModelConfig:
+    model: str = option("auto", "model: auto (the dataset's suggestion) | cifar_cnn | mlp | digits_cnn | "
+                        "package.module:factory; arguments as mlp:hidden=64x32", metavar="NAME")
+    model_args: dict[str, Any] = option({}, "extra model argument (repeatable)", flag="--model-arg",
+                                        metavar="KEY=VALUE", repeat=True)

@@ -1,0 +1,127 @@
+"""Typed config fields shared by every component's dataclass config.
+
+Each component (trainer, optimizer, checkpoints, launcher, ...) declares its settings as a dataclass whose
+fields are made with :func:`option`. The field's name is its TOML key and, with dashes, its CLI flag, so
+``batch_size = 64`` in a config file and ``--batch-size 64`` mean the same thing. ``polytrain.config``
+collects the sections, builds the argument parser and merges defaults < config file < flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from polytrain.errors import ConfigError
+from polytrain.specs import parse_assignments
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    minimum: float | None = None,
+    metavar: str | None = None,
+    repeat: bool = False,
+    check: Callable[[Any], None] | None = None,
+    short: str | None = None,
+    flag: str | None = None,
+) -> Any:
+    """A config field with its CLI help. ``check(value)`` raises ValueError with a message on bad values."""
+    meta = {
+        "help": help, "choices": tuple(choices) if choices else None, "minimum": minimum,
+        "metavar": metavar, "repeat": repeat, "check": check, "short": short, "flag": flag,
+    }
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """One setting: its key, flag, type and the dataclass section it lives in."""
+
+    key: str
+    section: str
+    type: str
+    default: Any
+    meta: dict[str, Any]
+
+    @property
+    def flag(self) -> str:
+        return self.meta.get("flag") or "--" + self.key.replace("_", "-")
+
+
+def describe(value: Any) -> str:
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def convert(info: OptionInfo, value: Any, source: str) -> Any:
+    """Convert a flag string or TOML value to the field's type and check it; errors name ``source``."""
+    try:
+        typed = _coerce(info.type, value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    meta = info.meta
+    if typed is not None and meta["choices"] and typed not in meta["choices"]:
+        raise ConfigError(f"{source}: unknown value {describe(typed)}; accepted: {', '.join(meta['choices'])}")
+    if typed is not None and meta["minimum"] is not None and typed < meta["minimum"]:
+        bound = int(meta["minimum"]) if float(meta["minimum"]).is_integer() else meta["minimum"]
+        raise ConfigError(f"{source}: must be >= {bound}, got {describe(typed)}")
+    if typed is not None and meta["check"] is not None:
+        try:
+            meta["check"](typed)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return typed
+
+
+def _coerce(kind: str, value: Any) -> Any:
+    optional = kind.endswith("| None")
+    base = kind.replace("| None", "").strip()
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("", "none"))):
+        return None
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"expected true or false, got {describe(value)}")
+    if base == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {describe(value)}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected an integer, got {describe(value)}") from None
+    if base == "float":
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {describe(value)}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {describe(value)}") from None
+    if base == "str":
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"expected a string, got {describe(value)}")
+        return str(value)
+    if base.startswith("list"):
+        items = value if isinstance(value, list) else [value]
+        return [str(v) for v in items]
+    if base.startswith("dict"):
+        if isinstance(value, dict):
+            return dict(value)
+        if isinstance(value, list):  # repeated --flag key=value
+            return parse_assignments([str(v) for v in value])
+        raise ValueError(f"expected a table of key = value, got {describe(value)}")
+    raise TypeError(f"unsupported option type {kind}")  # a bug in a config dataclass, not user input
+
+
+def section_options(section: str, cls: type) -> list[OptionInfo]:
+    """The options of one config dataclass."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append(OptionInfo(f.name, section, str(f.type), default, dict(f.metadata)))
+    return out

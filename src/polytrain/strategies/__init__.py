@@ -1,0 +1,6 @@
+"""Parallel strategies, chosen by name: ``single``, ``sync`` (more to come: async, pipeline, hybrid)."""
+
+from polytrain.strategies import single, sync  # noqa: F401  (registers them)
+from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
+
+__all__ = ["Strategy", "available_strategies", "get_strategy", "register_strategy"]

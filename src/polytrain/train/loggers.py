@@ -1,0 +1,144 @@
+"""Where a run reports: the console (a progress bar on a terminal, plain lines otherwise), a JSON-lines
+metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with sinks enabled.
+
+The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
+``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec``,
+``sec_per_batch``, ``rank_examples_per_sec``, ...), ``eval`` (``eval_loss``, ``eval_accuracy``) and a final
+``end`` (``steps``, ``train_loss``, ``eval_loss``, ``eval_accuracy``, ``wall_s``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from polytrain.log import get_logger
+from polytrain.options import option
+
+PROGRESS = ("auto", "bar", "lines", "off")
+
+
+@dataclass
+class LogConfig:
+    log_every: int = option(10, "log loss, lr and throughput every N steps", minimum=1, metavar="N")
+    log_dir: str | None = option(None, "TensorBoard log directory (also gets the resolved config.toml)",
+                                 metavar="DIR")
+    metrics_file: str | None = option(None, "append one JSON object per logged step (and a final one) here",
+                                      metavar="FILE.jsonl")
+    histogram_every: int = option(100, "weight/gradient histograms to TensorBoard every N steps (0: never)",
+                                  minimum=0, metavar="N")
+    progress: str = option("auto", "console output: auto (a bar on a terminal, lines otherwise), bar, lines, off",
+                           choices=PROGRESS)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+class RunLog:
+    """Fans each record out to the enabled sinks. With ``enabled=False`` every call does nothing."""
+
+    def __init__(self, cfg: LogConfig, total_steps: int, enabled: bool = True):
+        self.cfg, self.total_steps, self.enabled = cfg, total_steps, enabled
+        self.log = get_logger()
+        self._bar = None
+        self._tb = None
+        self._metrics = None
+        if not enabled:
+            return
+        use_bar = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
+        if use_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
+        if cfg.metrics_file:
+            Path(cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(cfg.metrics_file, "a", buffering=1)
+        if cfg.log_dir:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
+            self._tb = SummaryWriter(cfg.log_dir)
+
+    def info(self, message: str) -> None:
+        if not self.enabled or self.cfg.progress == "off":
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            self.log.info(message)
+
+    def start(self, config: dict[str, Any], config_toml: str, start_step: int) -> None:
+        if not self.enabled:
+            return
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir, "config.toml").write_text(config_toml)
+        self._write({"event": "start", "step": start_step, "config": config})
+        if self._bar is not None:
+            self._bar.update(start_step)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": "step", **record})
+        step = record["step"]
+        if self._tb is not None:
+            self._tb.add_scalar("train/loss", record["loss"], step)
+            self._tb.add_scalar("train/lr", record["lr"], step)
+            self._tb.add_scalar("perf/examples_per_sec", record["examples_per_sec"], step)
+            self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
+            for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
+                self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
+        if self._bar is not None:
+            self._bar.set_postfix_str(
+                f"loss {record['loss']:.4f} lr {record['lr']:.3g} {record['examples_per_sec']:.0f} ex/s", refresh=False)
+        elif self.cfg.progress != "off":
+            ranks = record.get("rank_examples_per_sec", [])
+            per_rank = ("  per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
+            self.log.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.4g}  "
+                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch{per_rank}")
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def evaluation(self, step: int, loss: float, accuracy: float | None) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": "eval", "step": step, "eval_loss": loss, "eval_accuracy": accuracy})
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", loss, step)
+            if accuracy is not None:
+                self._tb.add_scalar("eval/accuracy", accuracy, step)
+        self.info(f"eval at step {step}: loss {loss:.4f}  accuracy {_fmt(accuracy, '.4f')}")
+
+    def histograms(self, model: nn.Module, step: int) -> None:
+        """Weights and (when present) gradients of every parameter, to TensorBoard."""
+        if self._tb is None:
+            return
+        for name, param in model.named_parameters():
+            self._tb.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+            if param.grad is not None:
+                self._tb.add_histogram(f"grads/{name}", param.grad.detach().float().cpu(), step)
+
+    def end(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write({"event": "end", **summary})
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._metrics is not None:
+            self._metrics.close()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")

@@ -1,0 +1,59 @@
+"""From a resolved config to a finished run: check in this process, then launch the workers.
+
+Everything that can be checked before starting processes is checked here, so a bad name or setting is
+one clear error line instead of N failing workers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from polytrain.data.base import DataBundle
+from polytrain.devices.spec import parse_device
+from polytrain.dist.launch import launch, resolve_backend, resolve_workers, under_torchrun
+from polytrain.errors import ConfigError
+from polytrain.models.registry import resolve_model_factory
+from polytrain.strategies import get_strategy
+from polytrain.train.schedules import parse_schedule
+from polytrain.train.trainer import train_worker
+
+if TYPE_CHECKING:
+    from polytrain.config import RunConfig
+
+
+def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBundle | None = None) -> int:
+    """Validate ``config`` without starting anything; return the number of worker processes."""
+    strategy = get_strategy(config.train.strategy)
+    parse_device(config.device.device)
+    workers = resolve_workers(config.launch.workers, config.device.device)
+    processes = strategy.processes(workers)
+    resolve_backend(config.launch.backend, config.device.device)
+    strategy.check(processes, config.global_batch(processes), config.train.accumulate)
+    parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
+    if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
+        raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")
+    if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:
+        raise ConfigError(f"--lr-scaling {config.optim.lr_scaling} needs --base-batch-size "
+                          "(the batch size --lr was tuned for)")
+    if config.checkpoint.resume and not config.checkpoint.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if model is None and config.model.model != "auto":
+        resolve_model_factory(config.model.model)
+    if data is None:
+        from polytrain.data.registry import check_data
+        check_data(config.data.data, config.data.data_args)
+    return processes
+
+
+def run(config: "RunConfig", *, model: nn.Module | None = None, data: DataBundle | None = None) -> dict[str, Any]:
+    """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary."""
+    processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
+    results = launch(
+        train_worker, config, model, data,
+        workers=processes, device=config.device.device, backend=config.launch.backend,
+        timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
+        master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
+    )
+    return results[0]

@@ -1,0 +1,166 @@
+"""Everything a run needs, built from the config in a fixed order, and resumed from a checkpoint.
+
+Order: seed → data → strategy and shard → batch plan → model (placed, then wrapped by the strategy) →
+optimizer and LR schedule → checkpoint resume. Every rank builds the same thing from the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from polytrain.data.base import DataBundle
+from polytrain.data.batches import BatchPlan, Shard
+from polytrain.dist.topology import Topology
+from polytrain.errors import ConfigError
+from polytrain.log import get_logger
+from polytrain.models.registry import build_model
+from polytrain.strategies import Strategy, get_strategy
+from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
+from polytrain.train.optim import build_optimizer
+from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
+from polytrain.train.tasks import Task, get_task
+
+if TYPE_CHECKING:
+    from polytrain.config import RunConfig
+
+#: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
+RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Session:
+    config: "RunConfig"
+    topology: Topology
+    data: DataBundle
+    strategy: Strategy
+    shard: Shard
+    plan: BatchPlan
+    model: nn.Module
+    task: Task
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    total_steps: int
+    checkpointer: Checkpointer | None
+    start_step: int = 0
+
+    @property
+    def log(self):
+        return get_logger()
+
+    @property
+    def config_flat(self) -> dict[str, Any]:
+        return self.config.flat()
+
+    @property
+    def config_toml(self) -> str:
+        from polytrain.config import to_toml
+        return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """Checkpoint contents. Collective: every rank must call it (RNG states are gathered)."""
+        epoch, batch = self.plan.position(step)
+        return {
+            "model": self.strategy.unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": str(self.schedule),
+            "data_position": {"epoch": epoch, "batch": batch, "global_batch": self.plan.global_batch},
+            "rng": self.topology.all_gather_object(capture_rng()),
+            "world_size": self.topology.world_size,
+            "config": self.config_flat,
+        }
+
+    def describe(self) -> str:
+        cfg, unwrapped = self.config, self.strategy.unwrap(self.model)
+        params = sum(p.numel() for p in unwrapped.parameters())
+        per_worker = self.plan.global_batch // self.shard.count
+        batch = f"{self.plan.global_batch}" + (f" = {self.shard.count} x {per_worker}" if self.shard.count > 1 else "")
+        lines = [
+            f"strategy {self.strategy.describe()}",
+            f"data {self.data.describe()}",
+            f"model {cfg.model.model}: {params:,} parameters",
+            f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
+            + (f" from step {self.start_step}" if self.start_step else ""),
+            f"optimizer {cfg.optim.optimizer}, lr {self.schedule.base_lr:g}, schedule {self.schedule}",
+        ]
+        return "\n".join(lines)
+
+
+def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = None,
+          data: DataBundle | None = None) -> Session:
+    config = copy.deepcopy(config)
+    seed_everything(config.train.seed)
+    if config.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    data = data if data is not None else _build_data(config)
+    strategy_cls = get_strategy(config.train.strategy)
+    strategy = strategy_cls(topology, getattr(config, strategy_cls.config_section, None))
+    shard = strategy.data_shard()
+    global_batch = config.global_batch(shard.count)
+    strategy_cls.check(shard.count, global_batch, config.train.accumulate)
+    try:
+        plan = BatchPlan(len(data.train), global_batch, config.train.seed)
+    except ValueError as exc:
+        raise ConfigError(f"--batch-size: {exc}; use a smaller batch or fewer workers") from None
+    total_steps = config.train.steps or config.train.epochs * plan.steps_per_epoch
+    if model is None:
+        if config.model.model == "auto":
+            config.model.model = data.default_model
+        model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
+                            num_classes=data.num_outputs)
+    model = strategy.prepare_model(model)
+    lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
+    schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
+    optimizer = build_optimizer(model.parameters(), config.optim, lr)
+    checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
+                    if config.checkpoint.checkpoint_dir else None)
+    session = Session(config, topology, data, strategy, shard, plan, model, get_task(data.task), optimizer,
+                      schedule, total_steps, checkpointer)
+    if config.checkpoint.resume:
+        _resume(session)
+    return session
+
+
+def _build_data(config: "RunConfig") -> DataBundle:
+    from polytrain.data.registry import build_data
+    return build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+
+
+def _resume(s: Session) -> None:
+    if s.checkpointer is None:
+        raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    topo = s.topology
+    state = topo.broadcast_object(s.checkpointer.load_latest() if topo.is_main else None)
+    if state is None:
+        s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
+        return
+    saved = state["config"]
+    current = s.config.flat()
+    clash = [k for k in RESUME_MUST_MATCH if saved.get(k) != current.get(k)]
+    if state["data_position"]["global_batch"] != s.plan.global_batch:
+        clash.append("global batch size")
+    if clash:
+        raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
+                          f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
+    s.strategy.unwrap(s.model).load_state_dict(state["model"])
+    s.optimizer.load_state_dict(state["optimizer"])
+    s.start_step = int(state["step"])
+    if len(state["rng"]) == topo.world_size:
+        restore_rng(state["rng"][topo.rank])
+    else:
+        s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {topo.world_size}: "
+                      "random streams restart from the seed (the data order is unaffected)")
+    s.log.info(f"resumed from step {s.start_step} ({s.checkpointer.latest()})")

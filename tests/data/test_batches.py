@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from polytrain.data.base import TensorData
+from polytrain.data.batches import BatchPlan, Shard, ShardedBatches, eval_batches
+
+
+def test_each_example_once_per_epoch_and_epochs_differ():
+    plan = BatchPlan(num_examples=100, global_batch=10, seed=3)
+    epoch0 = torch.cat([plan.global_indices(s) for s in range(10)])
+    epoch1 = torch.cat([plan.global_indices(s) for s in range(10, 20)])
+    assert sorted(epoch0.tolist()) == list(range(100)) == sorted(epoch1.tolist())
+    assert not torch.equal(epoch0, epoch1)
+
+
+def test_ragged_tail_is_dropped():
+    plan = BatchPlan(num_examples=105, global_batch=10)
+    assert plan.steps_per_epoch == 10 and plan.position(10) == (1, 0)
+
+
+def test_shards_tile_the_global_batch():
+    plan = BatchPlan(64, 16, seed=1)
+    for step in range(4):
+        parts = [Shard(i, 4).take(plan.global_indices(step)) for i in range(4)]
+        assert torch.equal(torch.cat(parts), plan.global_indices(step))
+
+
+def test_ragged_eval_shards_cover_everything_once():
+    items = torch.arange(11)
+    parts = [Shard(i, 3).take_ragged(items) for i in range(3)]
+    assert torch.equal(torch.cat(parts), items) and [len(p) for p in parts] == [3, 4, 4]
+
+
+def test_bad_plans_are_rejected():
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        BatchPlan(10, 11)
+    with pytest.raises(ValueError, match="does not split evenly"):
+        Shard(0, 3).take(torch.arange(10))
+
+
+class _MapStyle(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.x = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(i)
+
+
+def test_fast_path_and_dataloader_path_agree_and_resume():
+    n = 40
+    plan, shard = BatchPlan(n, 8, seed=5), Shard(1, 2)
+    tensor_data = TensorData(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
+    fast = ShardedBatches(tensor_data, plan, shard, torch.device("cpu"))
+    slow = ShardedBatches(_MapStyle(n), plan, shard, torch.device("cpu"))
+    first = [(s, y) for (s, _, y), _ in zip(fast, range(12))]  # crosses an epoch boundary (5 steps/epoch)
+    second = [(s, y) for (s, _, y), _ in zip(slow, range(12))]
+    assert [s for s, _ in first] == list(range(12))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, second))
+    resumed = ShardedBatches(tensor_data, plan, shard, torch.device("cpu"), start_step=7)
+    s, _, y = next(iter(resumed))
+    assert s == 7 and torch.equal(y, first[7][1])
+
+
+def test_eval_batches_cover_the_shard():
+    data = TensorData(torch.randn(10, 2), torch.arange(10))
+    seen = [y for _, y in eval_batches(data, 3, Shard(0, 2), torch.device("cpu"))]
+    assert torch.equal(torch.cat(seen), torch.arange(5))

@@ -1,0 +1,93 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from polytrain.train.checkpoint import Checkpointer, atomic_save, capture_rng, load_checkpoint, restore_rng
+
+
+def test_save_keeps_newest_and_points_latest(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        ckpt.save({"model": {"w": torch.full((2,), float(step))}}, step)
+    assert ckpt.steps() == [20, 30]
+    assert ckpt.latest().name == "step-00000030.pt"
+    state = ckpt.load_latest()
+    assert state["step"] == 30 and torch.equal(state["model"]["w"], torch.full((2,), 30.0))
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.save({"rng": [capture_rng()], "model": {"w": torch.ones(1)}}, 1)
+    torch.load(path, weights_only=True)  # raises if anything needs full pickle
+
+
+def test_rng_round_trip():
+    state = capture_rng()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng(state)
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+
+
+def test_failed_save_leaves_previous_latest(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": {"w": torch.ones(1)}}, 1)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        ckpt.save({"model": {"w": torch.zeros(1)}, "boom": Unpicklable()}, 2)
+    assert ckpt.latest().name == "step-00000001.pt"
+    assert ckpt.steps() == [1]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # the partial file was removed
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from polytrain.train.checkpoint import Checkpointer
+    ckpt = Checkpointer(sys.argv[1])
+    ckpt.save({"model": {"w": torch.ones(4)}}, 1)
+    print("first saved", flush=True)
+    # a big second checkpoint, so the kill lands while it is being written
+    ckpt.save({"model": {"w": torch.randn(400_000_000 // 4)}}, 2)
+""")
+
+
+def test_process_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path, cli_env):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=cli_env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "first saved"
+    deadline = time.monotonic() + 60
+    while not any(p.endswith(".tmp") and os.path.getsize(tmp_path / p) > 0 for p in os.listdir(tmp_path)):
+        assert time.monotonic() < deadline and proc.poll() is None, "the second save never started"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.latest().name == "step-00000001.pt"
+    assert torch.equal(ckpt.load_latest()["model"]["w"], torch.ones(4))
+
+
+def test_atomic_save_replaces_whole_file(tmp_path):
+    target = tmp_path / "model.pt"
+    atomic_save({"a": torch.ones(2)}, target)
+    atomic_save({"a": torch.zeros(3)}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["a"], torch.zeros(3))
+
+
+def test_foreign_file_is_rejected_clearly(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"hello": 1}, path)
+    from polytrain.errors import ConfigError
+    with pytest.raises(ConfigError, match="is not a polytrain checkpoint"):
+        load_checkpoint(path)
