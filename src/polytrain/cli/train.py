@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(to_toml(config), end="")
         return 0
     summary = run_training(config)
-    print(format_summary(summary))
+    if summary is not None:  # None: a non-main rank of a torchrun job
+        print(format_summary(summary))
     return 0
 
 

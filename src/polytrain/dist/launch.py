@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from polytrain.devices.spec import default_backend, parse_device, resolve_device
 from polytrain.dist.rendezvous import StoreServer, connect_store, is_loopback, loopback_interface
-from polytrain.dist.supervisor import describe_exception, supervise
+from polytrain.dist.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.dist.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.log import setup_logging
@@ -166,7 +166,6 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], count: int, device: st
                 conns.append(recv)
         return supervise(processes, conns)
     except KeyboardInterrupt:
-        from polytrain.dist.supervisor import stop_all
         stop_all(processes)
         raise
     finally:
@@ -217,9 +216,9 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
             result = job.fn(WorkerContext(topology), *job.args)
         finally:
             dist.destroy_process_group()
-        conn.send(("ok", result))
+        send_report(conn, "ok", result)
     except BaseException as exc:  # report everything, including SystemExit, to the launcher
-        conn.send(("error", describe_exception(exc)))
+        send_report(conn, "error", describe_exception(exc))
         conn.close()
         os._exit(1)
     conn.close()

@@ -7,6 +7,7 @@ of a dead rank see broken connections), picks the root cause, stops every remain
 
 from __future__ import annotations
 
+import pickle
 import signal
 import time
 import traceback
@@ -87,14 +88,23 @@ def supervise(processes: list[Any], conns: list[Connection]) -> list[Any]:
                 first_failure_at = time.monotonic()
     finally:
         stop_all(processes)
+    silent = [rank for rank in range(len(processes))
+              if rank not in results and not any(f.rank == rank for f in failures)]
+    failures += [Failure(rank, "exit", "exited without reporting a result", at=time.monotonic()) for rank in silent]
     if failures:
         raise _root_cause(failures, len(processes))
     return [results.get(rank) for rank in range(len(processes))]
 
 
+def send_report(conn: Connection, status: str, payload: Any) -> None:
+    """Worker side: one message, plain-pickled (torch's shared-memory tensor passing would need the
+    worker to stay alive until the launcher has mapped the memory)."""
+    conn.send_bytes(pickle.dumps((status, payload)))
+
+
 def _receive(conn: Connection, rank: int, results: dict[int, Any], failures: list[Failure]) -> None:
     try:
-        status, payload = conn.recv()
+        status, payload = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return  # the process died before reporting; its sentinel says how
     if status == "ok":

@@ -6,6 +6,7 @@ one clear error line instead of N failing workers.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -47,8 +48,10 @@ def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBund
     return processes
 
 
-def run(config: "RunConfig", *, model: nn.Module | None = None, data: DataBundle | None = None) -> dict[str, Any]:
-    """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary."""
+def run(config: "RunConfig", *, model: nn.Module | None = None,
+        data: DataBundle | None = None) -> dict[str, Any] | None:
+    """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
+    (None in the other processes of a torchrun job)."""
     processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
     results = launch(
         train_worker, config, model, data,
@@ -56,4 +59,6 @@ def run(config: "RunConfig", *, model: nn.Module | None = None, data: DataBundle
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
     )
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        return None
     return results[0]

@@ -1,0 +1,160 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from polytrain.dist.launch import launch
+from polytrain.dist.rendezvous import StoreServer
+from polytrain.errors import ConfigError, DataError, WorkerError
+from tests.helpers.procs import alive, cmdline, descendants, leftover_children, listening_addresses
+from tests.helpers.spawn import spawn
+
+
+def _whoami(ctx, offset):
+    t = torch.tensor([float(ctx.rank + offset)])
+    dist.all_reduce(t, group=ctx.topology.group)
+    return {"rank": ctx.rank, "world": ctx.world_size, "device": str(ctx.device), "sum": t.item(),
+            "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def test_results_come_back_in_rank_order():
+    results = spawn(_whoami, 3, 10)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 33.0 and r["device"] == "cpu" and r["threads"] == 1
+               for r in results)
+    assert len({r["pid"] for r in results}) == 3 and os.getpid() not in {r["pid"] for r in results}
+
+
+def test_one_worker_runs_in_process():
+    result, = launch(_in_process, workers=1)
+    assert result == (0, 1, os.getpid())
+
+
+def _in_process(ctx):
+    return ctx.rank, ctx.world_size, os.getpid()
+
+
+def _fail_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("boom on purpose")
+    dist.barrier(group=ctx.topology.group)  # rank 0 waits for a peer that never comes
+    return "unreachable"
+
+
+def test_a_failing_worker_stops_the_others_and_names_its_rank():
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker rank 1 failed: RuntimeError: boom on purpose"):
+        spawn(_fail_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - started < 30
+    assert leftover_children(os.getpid()) == []
+
+
+def _user_error(ctx):
+    raise DataError("no such data (on purpose)")
+
+
+def test_user_errors_keep_their_class_and_message():
+    with pytest.raises(DataError, match=r"^\[rank \d\] no such data \(on purpose\)$"):
+        spawn(_user_error, 2)
+
+
+def test_port_in_use_is_a_clear_error():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is already in use"):
+            launch(_whoami, 0, workers=2, master_port=port)
+    finally:
+        taken.close()
+
+
+def test_unknown_backend_and_bad_worker_counts():
+    with pytest.raises(ConfigError, match="unknown backend 'mpi'; accepted: auto, gloo, nccl"):
+        launch(_whoami, 0, workers=2, backend="mpi")
+    with pytest.raises(ConfigError, match="--workers must be >= 1"):
+        launch(_whoami, 0, workers=0)
+
+
+TRAIN = [sys.executable, "-m", "polytrain", "train", "--data", "synthetic:shape=3x24x24,size=4096",
+         "--model", "cifar_cnn", "--batch-size", "64", "--steps", "100000", "--progress", "lines", "--log-every", "1"]
+
+
+def _start_training(env, extra=()):
+    return subprocess.Popen(TRAIN + ["--workers", "2", *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_steps(proc):
+    for line in proc.stdout:  # training has started once a step line appears
+        if line.startswith("step "):
+            return
+    pytest.fail(f"training never started: {proc.stderr.read()}")
+
+
+def test_local_run_listens_only_on_loopback(cli_env):
+    proc = _start_training(cli_env)
+    try:
+        _wait_for_steps(proc)
+        job = descendants(proc.pid)
+        sockets = listening_addresses(job)
+        assert len(job) >= 3  # the launcher and its two workers
+        assert sockets, "expected the store and gloo to listen somewhere"
+        assert all(addr in ("127.0.0.1", "::1") for addr, _ in sockets), sockets
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sigkill_of_a_worker_ends_the_job_naming_the_rank(cli_env):
+    proc = _start_training(cli_env)
+    try:
+        _wait_for_steps(proc)
+        job = descendants(proc.pid)
+        workers = [p for p in job if p != proc.pid and "spawn_main" in cmdline(p)]
+        assert len(workers) == 2
+        victim = max(workers)  # spawned second: rank 1
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - started < 60
+        assert proc.returncode != 0
+        assert "worker rank 1 was killed by signal SIGKILL" in err, err
+        assert "Traceback" not in err
+        deadline = time.monotonic() + 10  # the launcher's resource tracker exits just after the launcher
+        while alive(job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert alive(job) == [], [cmdline(p) for p in alive(job)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_joins_a_torchrun_style_group(cli_env, tmp_path):
+    """Workers started the way torchrun starts them (env vars + an agent-hosted store) join that group."""
+    server = StoreServer(timedelta(seconds=60))  # stands in for torchrun's agent store, on loopback
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(cli_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), TORCHELASTIC_RUN_ID="test",
+                       TORCHELASTIC_USE_AGENT_STORE="True")
+            cmd = [sys.executable, "-m", "polytrain", "train", "--strategy", "sync", "--model", "mlp",
+                   "--steps", "5", "--progress", "lines", "--save-model", str(tmp_path / f"m{rank}.pt")]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        server.close()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "2 processes" in outs[0][0] and "done: 5 steps" in outs[0][0]
+    assert outs[1][0] == ""  # only rank 0 speaks
+    assert (tmp_path / "m0.pt").exists() and not (tmp_path / "m1.pt").exists()  # only rank 0 writes
