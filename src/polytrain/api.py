@@ -12,21 +12,27 @@ from polytrain.dist.launch import WorkerContext
 from polytrain.strategies import Strategy, get_strategy
 
 
-def fit(config: RunConfig | None = None, *, model: nn.Module | None = None, data: DataBundle | None = None,
-        **settings: Any) -> dict[str, Any]:
+def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None,
+        data: DataBundle | str | None = None, **settings: Any) -> dict[str, Any]:
     """Train and return the run summary (rank 0's). ``settings`` are named like the CLI flags and
     override ``config``: ``fit(model="mlp", data="digits", strategy="sync", workers=2, steps=100)``.
 
-    A ``model`` or ``data`` object given here is pickled to every worker process.
+    ``model`` and ``data`` are names/specs like the flags, or objects: an ``nn.Module`` and a
+    :class:`DataBundle`, which are pickled to every worker process.
     """
     from polytrain.train.run import run
 
+    for key, value in (("model", model), ("data", data)):
+        if isinstance(value, str):
+            settings[key] = value
+    model_obj = model if isinstance(model, nn.Module) else None
+    data_obj = data if isinstance(data, DataBundle) else None
     if config is None:
         config = make_config(**settings)
     elif settings:
         config = resolve(config.flat(), {k.replace("-", "_"): v for k, v in settings.items()},
                          file_name="the config passed to fit()")
-    return run(config, model=model, data=data)
+    return run(config, model=model_obj, data=data_obj)
 
 
 def strategy(name: str, ctx: WorkerContext, options: Any = None) -> Strategy:
