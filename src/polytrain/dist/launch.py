@@ -138,13 +138,16 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: s
         return [_join_torchrun(fn, args, device, backend, timeout)]
     count = resolve_workers(workers, device)
     if count == 1:
-        return [_run_in_process(fn, args, device, log_all_ranks)]
+        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks)]
     return _spawn(fn, args, count, device, resolve_backend(backend, device), timeout,
                   threads_per_worker or max(1, available_cores() // count), master_port, log_all_ranks)
 
 
-def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, log_all_ranks: bool) -> Any:
+def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
+                    log_all_ranks: bool) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
+    if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
+        torch.set_num_threads(threads)
     return fn(WorkerContext(Topology(device=resolve_device(device))), *args)
 
 
