@@ -23,6 +23,7 @@ from polytrain.data.batches import Shard
 from polytrain.errors import ConfigError
 from polytrain.options import option
 from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 @dataclass
@@ -59,11 +60,8 @@ class SyncDataParallel(Strategy):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         opts = self.options
         topo = self.topology
-        if opts.sync_batchnorm:
-            if topo.device.type == "cpu":
-                raise ConfigError("--sync-batchnorm needs GPU workers (PyTorch's SyncBatchNorm has no CPU kernel); "
-                                  "drop it or use --device cuda")
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=topo.group)
+        if opts.sync_batchnorm and topo.distributed:
+            model = convert_sync_batchnorm(model, topo.group, cuda=topo.device.type == "cuda")
         model = model.to(topo.device)
         if not topo.distributed:
             return model  # one worker: nothing to synchronise, and DDP would need a group
