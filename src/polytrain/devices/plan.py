@@ -194,6 +194,9 @@ def _check_device(pattern: str, value: Any, source: str) -> None:
     if isinstance(value, torch.device):
         return
     spec = parse_device(value)
+    if spec.count is not None:
+        raise DeviceError(f"{source}: '{pattern}={value}' is a CPU worker count; a module goes on one device, "
+                          f"e.g. '{pattern}=cpu'")
     if not spec.is_single_device:
         raise DeviceError(f"{source}: '{pattern}={value}' names several devices; a module goes on one device "
                           f"(give each module its own entry, e.g. {_EXAMPLE})")

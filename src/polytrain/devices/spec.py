@@ -222,7 +222,7 @@ def resolve_device(spec: str | DeviceSpec | torch.device, *, local_rank: int = 0
     problem, fallback = _availability(parsed.type, index)
     if problem is None:
         return torch.device(parsed.type, index)
-    requested = f"{parsed.type}:{index}"
+    requested = "mps" if parsed.type == "mps" else f"{parsed.type}:{index}"
     origin = "" if (parsed.text or str(parsed)) == requested else f" (from '{parsed.text or parsed}')"
     if not soft:
         raise DeviceError(

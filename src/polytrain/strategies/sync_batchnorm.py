@@ -9,6 +9,7 @@ global batch. ``convert_sync_batchnorm`` uses PyTorch's fused version on CUDA an
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -48,7 +49,11 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return dist_fn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group or dist.group.WORLD)
+        # torch 2.13 deprecates this autograd-aware all-reduce in favour of _functional_collectives, whose
+        # all_reduce aborts the process on gloo/CPU in 2.13; keep the working one, without the warning
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_reduce is deprecated")
+            return dist_fn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group or dist.group.WORLD)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
