@@ -1,0 +1,67 @@
+"""The command line as a user meets it: help, errors as one clear line, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def polytrain(*args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "polytrain", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_reads_well(cli_env):
+    top = polytrain("--help", env=cli_env)
+    assert top.returncode == 0 and "train" in top.stdout and "devices" in top.stdout
+    train = polytrain("train", "--help", env=cli_env)
+    assert train.returncode == 0
+    for heading in ("training:", "model:", "data:", "optimizer and learning rate:", "workers and launcher:",
+                    "checkpoints:", "logging:", "devices and placement:"):
+        assert heading in train.stdout
+    for flag in ("--config", "--strategy", "--device", "--batch-size", "--steps", "--epochs", "--lr-schedule",
+                 "--log-dir", "--metrics-file", "--save-model", "--checkpoint-dir", "--checkpoint-every",
+                 "--resume", "--workers", "--accumulate", "--seed", "--log-every", "--eval-every", "--optimizer"):
+        assert flag in train.stdout, flag
+
+
+def test_devices_lists_the_cpu(cli_env):
+    table = polytrain("devices", env=cli_env)
+    assert table.returncode == 0 and "cpu" in table.stdout
+    listed = json.loads(polytrain("devices", "--json", env=cli_env).stdout)
+    cpu = [d for d in listed if d["name"] == "cpu"]
+    assert cpu and cpu[0]["cores"] >= 1
+
+
+def test_print_config_round_trips(cli_env, tmp_path):
+    first = polytrain("train", "--print-config", "--lr", "0.125", "--steps", "7", env=cli_env)
+    assert first.returncode == 0 and "lr = 0.125" in first.stdout
+    path = tmp_path / "run.toml"
+    path.write_text(first.stdout)
+    second = polytrain("train", "--config", str(path), "--print-config", env=cli_env)
+    assert second.stdout == first.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+    (["--data", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--strategy", "magic"], "unknown strategy 'magic'"),
+    (["--strategy", "synk"], "did you mean 'sync'"),
+    (["--data", "cifar10:/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    (["--device", "cuda:3"], "cuda:3"),
+    (["--device", "tpu"], "tpu"),
+    (["--workers", "0"], "--workers: must be a whole number >= 1"),
+    (["--backend", "mpi"], "--backend: unknown value 'mpi'; accepted: auto, gloo, nccl"),
+    (["--batch-size", "63", "--workers", "2"], "--batch-size 63 does not divide over 2 workers"),
+    (["--lr-schedule", "exponential:rate=0.1"], "missing decay_steps"),
+    (["--nope"], "unrecognized arguments: --nope"),
+])
+def test_bad_input_is_one_clear_line(cli_env, args, message):
+    proc = polytrain("train", "--steps", "1", *args, env=cli_env)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert message in lines[0] and "Traceback" not in proc.stderr
