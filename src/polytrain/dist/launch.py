@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from polytrain.devices.spec import default_backend, parse_device, resolve_device
-from polytrain.dist.rendezvous import StoreServer, connect_store, is_loopback, loopback_interface
+from polytrain.dist.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
 from polytrain.dist.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.dist.topology import Topology
 from polytrain.errors import ConfigError
@@ -243,8 +243,10 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, b
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     setup_logging(rank, world)
-    if is_loopback(os.environ.get("MASTER_ADDR", "")) and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # listen only where the peers reach us, not on every interface
+        interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     resolved = resolve_device(device, local_rank=local_rank)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)

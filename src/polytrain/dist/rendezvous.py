@@ -9,8 +9,10 @@ descriptor; workers connect to it as clients. Gloo is pinned to the loopback int
 from __future__ import annotations
 
 import errno
+import fcntl
 import ipaddress
 import socket
+import struct
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,6 +37,35 @@ def loopback_interface() -> str:
         if name.startswith("lo"):
             return name
     raise ConfigError(f"no loopback interface found among {', '.join(names)}; set GLOO_SOCKET_IFNAME yourself")
+
+
+def _interface_address(name: str) -> str | None:
+    """IPv4 address of interface ``name`` (Linux SIOCGIFADDR), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_towards(address: str) -> str | None:
+    """The local interface whose address routes to ``address`` (so gloo listens there and nowhere else)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(address), 9))  # UDP connect sends nothing; it picks a route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        if _interface_address(name) == local:
+            return name
+    return None
+
+
+def gloo_interface(master_addr: str) -> str | None:
+    """The interface gloo should use to reach ``master_addr``: loopback for local runs."""
+    return loopback_interface() if is_loopback(master_addr) else interface_towards(master_addr)
 
 
 def bind_listener(address: str, port: int) -> socket.socket:

@@ -91,14 +91,14 @@ class RunLog:
             self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
             for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
                 self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
+        ranks = record.get("rank_examples_per_sec", [])
+        per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
         if self._bar is not None:
-            self._bar.set_postfix_str(
-                f"loss {record['loss']:.4f} lr {record['lr']:.3g} {record['examples_per_sec']:.0f} ex/s", refresh=False)
+            self._bar.set_postfix_str(f"loss {record['loss']:.4f} lr {record['lr']:.3g} "
+                                      f"{record['examples_per_sec']:.0f} ex/s{per_rank}", refresh=False)
         elif self.cfg.progress != "off":
-            ranks = record.get("rank_examples_per_sec", [])
-            per_rank = ("  per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
             self.log.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.4g}  "
-                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch{per_rank}")
+                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch{' ' + per_rank if per_rank else ''}")
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

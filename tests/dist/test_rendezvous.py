@@ -1,0 +1,44 @@
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+
+from polytrain.dist.rendezvous import (StoreServer, _interface_address, bind_listener, connect_store, gloo_interface,
+                                       interface_towards, is_loopback, loopback_interface)
+from polytrain.errors import ConfigError
+from tests.helpers.procs import listening_addresses
+
+
+def test_loopback_detection():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost")
+    assert not is_loopback("10.1.2.3") and not is_loopback("no-such-host.invalid")
+    assert gloo_interface("127.0.0.1") == loopback_interface()
+
+
+def test_each_interface_is_found_from_its_own_address():
+    found = {name: _interface_address(name) for _, name in socket.if_nameindex()}
+    for name, address in found.items():
+        if address:
+            assert interface_towards(address) == name
+
+
+def test_listener_refuses_a_taken_port():
+    first = bind_listener("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError, match="already in use; pass another --master-port"):
+            bind_listener("127.0.0.1", first.getsockname()[1])
+    finally:
+        first.close()
+
+
+def test_store_listens_only_on_its_address_and_serves_clients():
+    server = StoreServer(timedelta(seconds=10))
+    try:
+        mine = [a for a in listening_addresses([os.getpid()]) if a[1] == server.port]
+        assert mine == [("127.0.0.1", server.port)]
+        client = connect_store("127.0.0.1", server.port, timedelta(seconds=10))
+        client.set("k", "v")
+        assert server.store.get("k") == b"v"
+    finally:
+        server.close()
