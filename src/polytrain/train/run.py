@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from polytrain.data.base import DataBundle
+from polytrain.data.registry import check_data
 from polytrain.devices.spec import parse_device
 from polytrain.dist.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.errors import ConfigError
@@ -43,9 +44,20 @@ def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBund
     if model is None and config.model.model != "auto":
         resolve_model_factory(config.model.model)
     if data is None:
-        from polytrain.data.registry import check_data
-        check_data(config.data.data, config.data.data_args)
+        _check_dataset_size(check_data(config.data.data, config.data.data_args), processes,
+                            config.global_batch(processes))
     return processes
+
+
+def _check_dataset_size(train_size: int | None, processes: int, global_batch: int) -> None:
+    if train_size is None:
+        return
+    if processes > train_size:
+        raise ConfigError(f"--workers {processes}: more workers than training examples ({train_size}); "
+                          "use fewer workers or more data")
+    if global_batch > train_size:
+        raise ConfigError(f"--batch-size {global_batch}: larger than the training set ({train_size} examples); "
+                          "use a smaller batch")
 
 
 def run(config: "RunConfig", *, model: nn.Module | None = None,

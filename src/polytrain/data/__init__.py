@@ -1,0 +1,7 @@
+"""Datasets: the packaged ``digits``, ``synthetic`` data of any shape, ``cifar10:DIR`` and user factories."""
+
+from polytrain.data.base import DataBundle, TensorData, example_uniform
+from polytrain.data.registry import available_datasets, build_data, check_data, register_dataset
+
+__all__ = ["DataBundle", "TensorData", "example_uniform", "available_datasets", "build_data", "check_data",
+           "register_dataset"]

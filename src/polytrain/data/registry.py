@@ -1,0 +1,146 @@
+"""Datasets by name (``digits``, ``synthetic``, ``cifar10:DIR``) plus user factories ``package.module:factory``.
+
+A user factory returns a :class:`DataBundle`, or a ``(train, test)`` pair of map-style
+``torch.utils.data.Dataset``s (``test`` may be None) whose items are ``(input, target)``; polytrain then
+reads the input shape from the first example and the task from the targets (integer class labels, or
+0./1. floats for a binary task). ``--data-arg num_classes=N`` saves a scan of the targets.
+A factory that accepts ``run_seed`` gets the run's ``--seed`` (for random augmentation).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset
+
+from polytrain.data.base import DataBundle
+from polytrain.data.cifar10 import check_cifar10, cifar10
+from polytrain.data.digits import DIGITS_SIZE, TEST_SIZE, digits
+from polytrain.data.synthetic import check_synthetic, synthetic
+from polytrain.errors import ConfigError, DataError
+from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
+
+_SCAN_LIMIT = 100_000  # targets read to infer the classes of a user dataset
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """A registered dataset: how to build it and, optionally, how to validate its arguments cheaply.
+
+    ``check`` returns the number of training examples when it knows it. ``positional`` names the argument
+    that a bare value in the spec fills (``cifar10:DIR`` -> ``directory``).
+    """
+
+    build: Callable[..., Any]
+    check: Callable[..., int | None] | None = None
+    positional: str | None = None
+
+
+_DATASETS: dict[str, DatasetEntry] = {
+    "digits": DatasetEntry(digits, lambda test_size=TEST_SIZE: DIGITS_SIZE - test_size),
+    "synthetic": DatasetEntry(synthetic, check_synthetic),
+    "cifar10": DatasetEntry(cifar10, check_cifar10, positional="directory"),
+}
+
+
+def register_dataset(name: str, *, check: Callable[..., int | None] | None = None,
+                     positional: str | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: make ``factory`` available as ``--data name``."""
+    def add(factory: Callable) -> Callable:
+        _DATASETS[name] = DatasetEntry(factory, check, positional)
+        return factory
+    return add
+
+
+def available_datasets() -> list[str]:
+    return sorted(_DATASETS)
+
+
+def _resolve(spec: str, args: dict[str, Any] | None) -> tuple[DatasetEntry, dict[str, Any]]:
+    name = spec.split(":", 1)[0].strip()
+    if name in _DATASETS:
+        entry = _DATASETS[name]
+        parsed = parse_spec(spec, what="--data")
+        kwargs = dict(parsed.kwargs)
+        if parsed.args:
+            if entry.positional is None or len(parsed.args) > 1:
+                raise ConfigError(f"--data: '{spec}' has positional values; use key=value "
+                                  "(e.g. synthetic:shape=3x32x32,size=512)")
+            # a folder like 2024 must stay a path, not become the number parse_spec made of it
+            kwargs[entry.positional] = spec.split(":", 1)[1].split(",", 1)[0].strip()
+    elif is_import_path(spec):
+        entry, kwargs = DatasetEntry(load_factory(spec, what="--data")), {}
+    else:
+        close = difflib.get_close_matches(name, _DATASETS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"--data: unknown dataset '{spec}'{hint}; choose one of "
+                          f"{', '.join(available_datasets())} or give your own factory as package.module:function")
+    clash = set(kwargs) & set(args or {})
+    if clash:
+        raise ConfigError(f"--data: {', '.join(sorted(clash))} given both in '{spec}' and as --data-arg")
+    return entry, {**kwargs, **(args or {})}
+
+
+def check_data(spec: str, args: dict[str, Any] | None = None) -> int | None:
+    """Validate a data spec without loading the data; the number of training examples if known."""
+    entry, kwargs = _resolve(spec, args)
+    if entry.check is None:
+        return None
+    return call_with_accepted(entry.check, f"--data {spec}", **kwargs)
+
+
+def build_data(spec: str, args: dict[str, Any] | None = None, *, seed: int = 0) -> DataBundle:
+    """Load the dataset ``spec`` names; ``seed`` is the run's seed (for random augmentation only)."""
+    entry, kwargs = _resolve(spec, args)
+    hints = {k: kwargs.pop(k) for k in ("num_classes", "task") if k in kwargs and not _accepts(entry.build, k)}
+    made = call_with_accepted(entry.build, f"--data {spec}", _run_seed=seed, **kwargs)
+    if isinstance(made, DataBundle):
+        return made
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], Dataset):
+        return bundle_from_datasets(spec, made[0], made[1], **hints)
+    raise DataError(f"--data {spec}: the factory returned {type(made).__name__}; return a DataBundle or a "
+                    "(train, test) pair of torch.utils.data.Dataset")
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def bundle_from_datasets(name: str, train: Dataset, test: Dataset | None, *, num_classes: int | None = None,
+                         task: str | None = None) -> DataBundle:
+    """Describe plain map-style datasets: input shape from the first example, task and classes from targets."""
+    if len(train) == 0:
+        raise DataError(f"--data {name}: the training dataset is empty")
+    first_input, first_target = _example(train, 0, name)
+    target = torch.as_tensor(first_target)
+    if task is None:
+        task = "binary" if target.is_floating_point() else "classification"
+    if num_classes is None:
+        num_classes = 2 if task == "binary" else _count_classes(train, name)
+    return DataBundle(name=name, train=train, test=test, input_shape=tuple(torch.as_tensor(first_input).shape),
+                      num_classes=int(num_classes), task=task,
+                      default_model="mlp" if torch.as_tensor(first_input).dim() != 3 else "cifar_cnn")
+
+
+def _example(data: Dataset, index: int, name: str) -> tuple[Any, Any]:
+    item = data[index]
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise DataError(f"--data {name}: examples must be (input, target) pairs, got {type(item).__name__}")
+    return item[0], item[1]
+
+
+def _count_classes(data: Dataset, name: str) -> int:
+    targets = getattr(data, "targets", None)
+    if targets is None:
+        count = min(len(data), _SCAN_LIMIT)
+        targets = [_example(data, i, name)[1] for i in range(count)]
+    labels = torch.as_tensor(targets if not isinstance(targets, list) else [int(t) for t in targets])
+    if labels.is_floating_point() or labels.numel() == 0 or labels.min() < 0:
+        raise DataError(f"--data {name}: class targets must be integers >= 0; for a binary task return float "
+                        "0./1. targets, or pass --data-arg num_classes=N")
+    return int(labels.max()) + 1
