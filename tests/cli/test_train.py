@@ -1,0 +1,65 @@
+"""`polytrain train` end to end, as a user runs it: the main job, and sync equal to single from the CLI."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def polytrain(*args, env, timeout=300):
+    return subprocess.run([sys.executable, "-m", "polytrain", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def end_event(path):
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    return next(e for e in events if e.get("event") == "end")
+
+
+def test_the_main_job_learns_the_digits(cli_env, tmp_path):
+    """`make demo` runs plain `polytrain train`: sync on local CPU workers, packaged digits."""
+    metrics = tmp_path / "m.jsonl"
+    proc = polytrain("--metrics-file", str(metrics), "--progress", "off", env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    end = end_event(metrics)
+    assert end["eval_accuracy"] >= 0.95
+    assert "done:" in proc.stdout and "with sync on 2 worker(s)" in proc.stdout and "per rank" in proc.stdout
+
+
+def test_sync_on_two_workers_equals_single_from_the_cli(cli_env, tmp_path):
+    common = ["--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "64", "--seed", "1",
+              "--progress", "off"]
+    single = polytrain("--strategy", "single", "--save-model", str(tmp_path / "single.pt"), *common, env=cli_env)
+    sync = polytrain("--strategy", "sync", "--workers", "2", "--save-model", str(tmp_path / "sync.pt"), *common,
+                     env=cli_env)
+    assert single.returncode == 0 and sync.returncode == 0, single.stderr + sync.stderr
+    a = torch.load(tmp_path / "single.pt", weights_only=True)
+    b = torch.load(tmp_path / "sync.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for name in a:
+        rel = (a[name] - b[name]).norm() / a[name].norm().clamp_min(1e-12)
+        assert rel <= 1e-5, (name, rel.item())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "synthetic:shape=4,size=3", "--workers", "4", "--batch-size", "4"],
+     "--workers 4: more workers than training examples (3)"),
+    (["--data", "synthetic:shape=4,size=30", "--batch-size", "64"], "larger than the training set (30 examples)"),
+])
+def test_data_too_small_is_caught_before_launch(cli_env, args, message):
+    proc = polytrain("--steps", "1", "--strategy", "sync", *args, env=cli_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
+
+
+def test_a_taken_master_port_is_one_clear_line(cli_env):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = polytrain("--steps", "1", "--workers", "2", "--master-port", str(port), env=cli_env)
+    assert proc.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "Traceback" not in proc.stderr
