@@ -7,6 +7,7 @@ Public API::
     polytrain.Trainer                  the training loop inside one worker
     polytrain.launch(fn, workers=N)    run fn(ctx) in N worker processes (or under torchrun)
     polytrain.strategy(name, ctx)      a strategy for your own training loop
+    polytrain.build_data(spec)         a dataset by name (digits, synthetic, cifar10:DIR, package.module:fn)
     polytrain.place / polytrain.device / polytrain.parse_device    device placement
 """
 
@@ -14,6 +15,8 @@ __version__ = "0.1.0"
 
 from polytrain.api import fit, strategy  # noqa: E402
 from polytrain.config import RunConfig, make_config  # noqa: E402
+from polytrain import models  # noqa: E402,F401
+from polytrain.data import build_data, register_dataset  # noqa: E402
 from polytrain.data.base import DataBundle, TensorData  # noqa: E402
 from polytrain.dist.launch import WorkerContext, launch  # noqa: E402
 from polytrain.dist.topology import Topology  # noqa: E402
@@ -26,6 +29,6 @@ from polytrain.train.trainer import Trainer  # noqa: E402
 
 __all__ = [
     "Checkpointer", "ConfigError", "DataBundle", "DivergedError", "PolytrainError", "RunConfig", "Schedule",
-    "Strategy", "TensorData", "Topology", "Trainer", "WorkerContext", "available_strategies", "fit",
-    "get_strategy", "launch", "make_config", "parse_schedule", "register_strategy", "seed_everything", "strategy",
+    "Strategy", "TensorData", "Topology", "Trainer", "WorkerContext", "available_strategies", "build_data", "fit",
+    "get_strategy", "launch", "make_config", "models", "parse_schedule", "register_dataset", "register_strategy", "seed_everything", "strategy",
 ]

@@ -158,3 +158,26 @@ def test_joins_a_torchrun_style_group(cli_env, tmp_path):
     assert "2 processes" in outs[0][0] and "done: 5 steps" in outs[0][0]
     assert outs[1][0] == ""  # only rank 0 speaks
     assert (tmp_path / "m0.pt").exists() and not (tmp_path / "m1.pt").exists()  # only rank 0 writes
+
+
+def test_an_unguarded_script_works_when_workers_need_nothing_from_it(cli_env, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import polytrain\n"
+                      "s = polytrain.fit(model='mlp', data='digits', workers=2, steps=3, progress='off')\n"
+                      "print('finished', s['steps'])\n")
+    proc = subprocess.run([sys.executable, str(script)], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("finished 3") == 1  # the workers did not re-run the script
+
+
+def test_an_unguarded_script_that_workers_need_is_told_to_add_the_guard(cli_env, tmp_path):
+    script = tmp_path / "needs_guard.py"
+    script.write_text("import torch, polytrain\n"
+                      "class Net(torch.nn.Module):\n"
+                      "    def __init__(self):\n"
+                      "        super().__init__(); self.fc = torch.nn.Linear(64, 10)\n"
+                      "    def forward(self, x): return self.fc(x.flatten(1))\n"
+                      "polytrain.fit(model=Net(), data='digits', workers=2, steps=3, progress='off')\n")
+    proc = subprocess.run([sys.executable, str(script)], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert 'put that call under `if __name__ == "__main__":`' in proc.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import signal
 import sys
 from dataclasses import dataclass
@@ -136,6 +137,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: s
     """
     if under_torchrun():
         return [_join_torchrun(fn, args, device, backend, timeout)]
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise ConfigError("workers were started from a worker that was still starting: the script starts "
+                          "training when imported; put that call under `if __name__ == \"__main__\":`")
     count = resolve_workers(workers, device)
     if count == 1:
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks)]
@@ -159,7 +163,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], count: int, device: st
     ctx = mp.get_context("spawn")
     processes, conns = [], []
     try:
-        with _worker_environment(threads):
+        with _worker_environment(threads), _script_not_rerun(job):
             for rank in range(count):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
@@ -181,6 +185,34 @@ def _check_devices(count: int, device: str, backend: str) -> None:
         if visible < count:
             raise ConfigError(f"backend nccl needs one GPU per worker: {count} workers, {visible} GPU(s) visible; "
                               "use fewer --workers, or --device cpu --backend gloo")
+
+
+@contextlib.contextmanager
+def _script_not_rerun(job: "_Job") -> Iterator[None]:
+    """Spare spawned workers from re-running the user's script when they need nothing defined in it.
+
+    A spawned worker normally re-imports ``__main__`` so that functions and classes defined there unpickle;
+    a script that calls ``fit()`` without an ``if __name__ == "__main__":`` guard would then start training
+    again inside every worker. When nothing sent to the workers refers to ``__main__``, hiding the script
+    from ``multiprocessing`` for the duration of ``start()`` makes such plain scripts work.
+    """
+    main = sys.modules.get("__main__")
+    try:
+        needs_main = b"__main__" in pickle.dumps(job)
+    except Exception:  # let multiprocessing report what cannot be pickled, in its own words
+        needs_main = True
+    if main is None or needs_main:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            main.__dict__.pop("__spec__", None)
 
 
 @contextlib.contextmanager

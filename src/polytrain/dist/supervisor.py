@@ -59,7 +59,7 @@ def _exit_failure(rank: int, exitcode: int) -> Failure:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.Signals._value2member_map_ else str(-exitcode)
         return Failure(rank, "signal", f"was killed by signal {name}", at=time.monotonic())
-    return Failure(rank, "exit", f"exited with code {exitcode} without reporting an error", at=time.monotonic())
+    return Failure(rank, "exit", f"exited with code {exitcode} without reporting an error (its output above says why)", at=time.monotonic())
 
 
 def supervise(processes: list[Any], conns: list[Connection]) -> list[Any]:
