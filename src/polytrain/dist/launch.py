@@ -132,8 +132,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: s
            master_port: int | None = None, log_all_ranks: bool = False) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
-    ``fn`` must be importable by name (defined at module level) because workers are spawned, and a
-    script that calls ``launch`` must guard it with ``if __name__ == "__main__":``.
+    ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
+    whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
+    ``if __name__ == "__main__":``, as with any spawned process.
     """
     if under_torchrun():
         return [_join_torchrun(fn, args, device, backend, timeout)]
