@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from polytrain.data.config import DataConfig
+from polytrain.devices.config import DeviceConfig
 from polytrain.dist.launch import LaunchConfig
 from polytrain.errors import ConfigError
 from polytrain.models.registry import ModelConfig
-from polytrain.options import OptionInfo, convert, option, section_options
+from polytrain.options import OptionInfo, convert, section_options
 from polytrain.strategies.sync import SyncConfig
 from polytrain.train.checkpoint import CheckpointConfig
 from polytrain.train.loggers import LogConfig
@@ -30,25 +31,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-@dataclass
-class DeviceConfig:
-    device: str = option("cpu", "device per worker: cpu | cuda | cuda:N | cuda:0,1 | mps | auto "
-                         "(TensorFlow forms like /gpu:1 work too)", metavar="SPEC")
-    soft_placement: bool = option(False, "fall back to CPU (logged) when a device or an operator is unavailable")
-    place: str | None = option(None, "put sub-modules on devices: features=cuda:0,classifier=cuda:1",
-                               metavar="MODULE=DEV,...")
-    placement: str | None = option(None, "placement plan file (TOML: module = device)", metavar="FILE.toml")
-    log_placement: bool = option(False, "print and save the module → device table and the first step's "
-                                 "per-operator device log")
-    gpu_memory_fraction: float | None = option(None, "cap this process's share of GPU memory (0..1]",
-                                               metavar="F", check=lambda f: _fraction(f))
-
-
-def _fraction(value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"must be in (0, 1], got {value}")
 
 
 @dataclass

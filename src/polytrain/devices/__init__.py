@@ -2,6 +2,7 @@
 and the GPU memory cap. docs/devices.md is the user guide; docs/migration.md maps TensorFlow's names here.
 """
 
+from polytrain.devices.config import DeviceConfig, check_device_config
 from polytrain.devices.discovery import (
     DeviceInfo,
     available_device_names,
@@ -31,8 +32,8 @@ from polytrain.devices.soft import SoftPlacementMode, device_error_for, operator
 from polytrain.devices.spec import DeviceSpec, default_backend, parse_device, resolve_device
 
 __all__ = [
-    "DeviceInfo", "DeviceRuntime", "DeviceSpec", "OpDeviceLog", "OpRecord", "PlacementLogger", "PlacementPlan",
-    "SoftPlacementMode", "available_device_names", "check_memory_fraction", "default_backend", "device",
+    "DeviceConfig", "DeviceInfo", "DeviceRuntime", "DeviceSpec", "OpDeviceLog", "OpRecord", "PlacementLogger", "PlacementPlan",
+    "SoftPlacementMode", "available_device_names", "check_device_config", "check_memory_fraction", "default_backend", "device",
     "device_error_for", "format_devices", "install_input_hooks", "list_devices", "log_placement",
     "model_devices", "model_input_device", "model_output_device", "module_table", "operator_errors",
     "parse_device", "place", "resolve_device", "set_gpu_memory_fraction", "usable_cores",

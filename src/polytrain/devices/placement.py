@@ -27,9 +27,10 @@ from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
 )
+from torch.nn.utils.rnn import PackedSequence
 
 from polytrain.devices.plan import DeviceValue, PlacementPlan
-from polytrain.devices.spec import LOGGER_NAME, resolve_device
+from polytrain.devices.spec import LOGGER_NAME, parse_device, resolve_device
 from polytrain.errors import DeviceError
 
 _PARSED_TYPES = ("cpu", "cuda", "mps")
@@ -48,13 +49,26 @@ def place(model: nn.Module, plan: PlacementPlan | Mapping[str, DeviceValue] | st
     plan = PlacementPlan.coerce(plan)
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
     assigned = plan.assign(names)
-    resolved = {value: _resolve(value, soft, log, local_rank) for value in plan.devices()}
+    resolved = _resolve_all(plan.devices(), soft, log, local_rank)
     targets = {name: resolved[value] for name, value in assigned.items()}
     _check_shared(model, targets)
     _move(model, targets)
     install_input_hooks(model)
     log.info("placement: %s", ", ".join(f"{p or '(root)'} -> {resolved[v]}" for p, v in plan.entries))
     return model
+
+
+def _resolve_all(values: list[DeviceValue], soft: bool, log: logging.Logger,
+                 local_rank: int) -> dict[DeviceValue, torch.device]:
+    """Resolve each distinct device once, so ``cuda:1`` and ``/gpu:1`` make one soft-placement decision."""
+    by_name: dict[str, torch.device] = {}
+    resolved = {}
+    for value in values:
+        name = str(value) if isinstance(value, torch.device) else str(parse_device(value))
+        if name not in by_name:
+            by_name[name] = _resolve(value, soft, log, local_rank)
+        resolved[value] = by_name[name]
+    return resolved
 
 
 def _resolve(value: DeviceValue, soft: bool, log: logging.Logger, local_rank: int) -> torch.device:
@@ -83,13 +97,50 @@ def _check_shared(model: nn.Module, targets: Mapping[str, torch.device]) -> None
 
 
 def _move(model: nn.Module, targets: Mapping[str, torch.device]) -> None:
-    """Move each placed subtree, shallow first, so deeper placements override their ancestors'."""
+    """Move each placed module's own parameters, gradients and buffers to its device.
+
+    Module by module rather than ``subtree.to()``, so no tensor travels twice (``*=cuda:0,head=cpu``
+    must not pass the head through GPU memory), a tensor shared by two modules is copied once, and
+    tied parameters stay one object.
+    """
     modules = dict(model.named_modules(remove_duplicate=False))
-    for name in sorted(targets, key=lambda n: 0 if not n else n.count(".") + 1):
-        parent = name.rpartition(".")[0] if name else None
-        if parent is not None and targets.get(parent) == targets[name]:
-            continue  # already moved with its parent
-        modules[name].to(targets[name])
+    slots = _tensor_slots(model)
+    copies: dict[int, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, target: torch.device) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.to(target)
+        return copies[id(tensor)]
+
+    for name, target in targets.items():
+        # nn.Module.to() without recursion: gradients move along, parameters keep their identity
+        # where PyTorch can swap the data in place (cpu <-> cuda)
+        modules[name]._apply(lambda t, target=target: convert(t, target), recurse=False)
+    _retie(slots)
+
+
+_Slot = tuple[nn.Module, str, str, torch.Tensor]  # module, "_parameters" or "_buffers", key, tensor before
+
+
+def _tensor_slots(model: nn.Module) -> list[_Slot]:
+    slots = []
+    for module in {id(m): m for _, m in model.named_modules(remove_duplicate=False)}.values():
+        for table in ("_parameters", "_buffers"):
+            slots += [(module, table, key, t) for key, t in getattr(module, table).items() if t is not None]
+    return slots
+
+
+def _retie(slots: list[_Slot]) -> None:
+    """Where a move replaced a shared tensor in one module (meta, lazy, ...), give its twins the new one."""
+    groups: dict[int, list[_Slot]] = {}
+    for slot in slots:
+        groups.setdefault(id(slot[3]), []).append(slot)
+    for group in groups.values():
+        current = [getattr(module, table)[key] for module, table, key, _ in group]
+        replaced = [t for t, (_, _, _, before) in zip(current, group) if t is not before]
+        if len(group) > 1 and replaced:
+            for module, table, key, _ in group:
+                getattr(module, table)[key] = replaced[0]
 
 
 def install_input_hooks(model: nn.Module) -> int:
@@ -130,6 +181,8 @@ def _move_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _needs_move(obj: Any, target: torch.device) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.device != target
+    if isinstance(obj, PackedSequence):
+        return obj.data.device != target
     if isinstance(obj, (tuple, list)):
         return any(_needs_move(item, target) for item in obj)
     if isinstance(obj, dict):
@@ -140,10 +193,13 @@ def _needs_move(obj: Any, target: torch.device) -> bool:
 def to_device(obj: Any, target: torch.device) -> Any:
     """``obj`` with every tensor in it (through tuples, named tuples, lists and dicts) moved to ``target``.
 
-    Copies are blocking: a non-blocking copy to the CPU could be read before it lands.
+    Copies are blocking: a non-blocking copy to the CPU could be read before it lands. A PackedSequence
+    moves by its own ``.to``, which keeps its ``batch_sizes`` on the CPU as RNNs require.
     """
     if isinstance(obj, torch.Tensor):
         return obj if obj.device == target else obj.to(target)
+    if isinstance(obj, PackedSequence):
+        return obj.to(target)  # its own rule: batch_sizes must stay on the CPU
     if isinstance(obj, tuple):
         items = [to_device(item, target) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
@@ -166,31 +222,44 @@ def device(spec: str | torch.device, *, soft: bool = False, log: logging.Logger 
     """
     log = log or logging.getLogger(LOGGER_NAME)
     target = _resolve(spec, soft, log, local_rank)
-
-    def on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None:
-            return None
-        if module not in _hooked:
-            _hook(module)
-        if param.device == target:
-            return None
-        return nn.Parameter(param.detach().to(target), requires_grad=param.requires_grad)
-
-    def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
-        if buffer is None:
-            return None
-        if module not in _hooked:
-            _hook(module)
-        return None if buffer.device == target else buffer.to(target)
-
-    handles = [register_module_parameter_registration_hook(on_parameter),
-               register_module_buffer_registration_hook(on_buffer)]
+    if not _scopes:
+        _scope_handles[:] = [register_module_parameter_registration_hook(_on_parameter),
+                             register_module_buffer_registration_hook(_on_buffer)]
+    _scopes.append(target)
     try:
         with target:  # tensor factories inside the block allocate on the device directly
             yield target
     finally:
-        for handle in handles:
-            handle.remove()
+        _scopes.pop()
+        if not _scopes:
+            for handle in _scope_handles:
+                handle.remove()
+            _scope_handles.clear()
+
+
+# open device() scopes, innermost last; one pair of registration hooks serves them all, so the
+# innermost scope decides (PyTorch would run one hook per scope, outermost first)
+_scopes: list[torch.device] = []
+_scope_handles: list[Any] = []
+
+
+def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if param is None or not _scopes:
+        return None
+    if module not in _hooked:
+        _hook(module)
+    target = _scopes[-1]
+    if param.device == target:
+        return None
+    return nn.Parameter(param.detach().to(target), requires_grad=param.requires_grad)
+
+
+def _on_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    if buffer is None or not _scopes:
+        return None
+    if module not in _hooked:
+        _hook(module)
+    return None if buffer.device == _scopes[-1] else buffer.to(_scopes[-1])
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:

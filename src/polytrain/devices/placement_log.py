@@ -89,8 +89,8 @@ class OpDeviceLog(TorchDispatchMode):
     At most ``max_ops`` calls are kept; later ones are only counted (``dropped``). Calls made while
     autograd runs a backward node are tagged ``backward`` (with the node, e.g. ``AddmmBackward0``); the
     others take the current :meth:`phase` label, ``forward`` unless the caller says otherwise (e.g.
-    ``with log.phase("optimizer"): opt.step()``). An operator that raises NotImplementedError is recorded
-    with the note ``not implemented`` before the error goes on.
+    ``with log.phase("optimizer"): opt.step()``). An operator that raises is recorded with a note
+    (``not implemented`` for a missing kernel, else ``failed: ErrorType``) before the error goes on.
     """
 
     def __init__(self, max_ops: int = 1000):
@@ -119,8 +119,9 @@ class OpDeviceLog(TorchDispatchMode):
             return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
-        except NotImplementedError:
-            self._record(func, (args, kwargs), None, "not implemented")
+        except Exception as exc:  # the failing call is the one most worth seeing
+            note = "not implemented" if isinstance(exc, NotImplementedError) else f"failed: {type(exc).__name__}"
+            self._record(func, (args, kwargs), None, note)
             raise
         self._record(func, (args, kwargs), out, "")
         return out
@@ -201,6 +202,7 @@ class PlacementLogger:
         self.steps = frozenset(steps)
         self.max_ops = max_ops
         self.last: OpDeviceLog | None = None
+        self.active: OpDeviceLog | None = None  # the log of the step being recorded, if any
 
     def log_model(self, model: nn.Module) -> str:
         """Print and save the module table; return it."""
@@ -222,11 +224,12 @@ class PlacementLogger:
     @contextlib.contextmanager
     def _record_step(self, step: int) -> Iterator[OpDeviceLog]:
         oplog = OpDeviceLog(self.max_ops)
-        self.last = oplog
+        self.last = self.active = oplog
         try:
             with oplog:
                 yield oplog
         finally:  # a failing step's log is the one most worth reading
+            self.active = None
             title = f"operators of step {step} and their devices (rank {self.rank})"
             self.logger.info("%s", oplog.format(title=title))
             if self.log_dir is not None:

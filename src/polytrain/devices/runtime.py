@@ -8,11 +8,14 @@
     optimizer = make_optimizer(model.parameters())
     for step, (x, y) in enumerate(batches):
         with runtime.step_context(step):
-            loss = train_step(model, x, y)
+            loss = forward_backward(model, x, y)
+            with runtime.phase("optimizer"):
+                optimizer.step()
 
 ``step_context`` stacks, from the outside in: operator errors named with their device (always), the
 per-operator log (on the logged steps), and the soft-placement operator fallback (with ``soft``). The log
-is outside the fallback so it shows the failed call, the copies to the CPU and the rerun.
+is outside the fallback so it shows the failed call, the copies to the CPU and the rerun. Work outside
+the training steps (evaluation) goes in ``context()``: the same without the log.
 """
 
 from __future__ import annotations
@@ -48,17 +51,40 @@ class DeviceRuntime:
                                                  steps=log_steps, max_ops=max_ops) if log_placement else None)
         self.soft_mode = SoftPlacementMode(log=self.logger) if soft else None
 
-    def prepare(self, model: nn.Module, plan: PlacementPlan | Mapping[str, DeviceValue] | str | None = None
-                ) -> nn.Module:
-        """Place ``model`` (if there is a plan), cap GPU memory on its devices, log the module table."""
+    def prepare(self, model: nn.Module, plan: PlacementPlan | Mapping[str, DeviceValue] | str | None = None,
+                *, home: torch.device | None = None) -> nn.Module:
+        """Place ``model`` (if there is a plan), cap GPU memory on its devices, log the module table.
+
+        Call it after moving the model to the worker's device ``home`` and before building the optimizer;
+        the memory cap covers ``home`` too, where the batches live.
+        """
         if plan:
             place(model, plan, soft=self.soft, log=self.logger, local_rank=self.local_rank)
         if self.gpu_memory_fraction is not None:
-            devices = model_devices(model) or [torch.device("cpu")]
-            set_gpu_memory_fraction(self.gpu_memory_fraction, devices, log=self.logger)
+            devices = model_devices(model) + ([home] if home is not None else [])
+            set_gpu_memory_fraction(self.gpu_memory_fraction, devices or [torch.device("cpu")], log=self.logger)
         if self.placement_logger is not None:
             self.placement_logger.log_model(model)
         return model
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Label the operators of a part of the step in the per-op log (e.g. ``"optimizer"``)."""
+        active = self.placement_logger.active if self.placement_logger is not None else None
+        return active.phase(name) if active is not None else contextlib.nullcontext()
+
+    def log_steps_from(self, first: int, count: int = 1) -> None:
+        """Record the per-operator log of steps ``first`` .. ``first + count - 1`` (e.g. after a resume)."""
+        if self.placement_logger is not None:
+            self.placement_logger.steps = frozenset(range(first, first + count))
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Wrap work outside the training steps (evaluation): operator errors and soft placement, no log."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(operator_errors())
+            if self.soft_mode is not None:
+                stack.enter_context(self.soft_mode)
+            yield
 
     @contextlib.contextmanager
     def step_context(self, step: int) -> Iterator[None]:

@@ -144,10 +144,12 @@ def device_error_for(exc: NotImplementedError) -> DeviceError | None:
         if match:
             backend = match["backend"].lower()
             device = _BACKEND_DEVICES.get(backend, backend)
-            return DeviceError(
-                f"operator {match['op']} is not implemented for device {device}; available devices: "
-                f"{', '.join(available_device_names())}; rerun with --soft-placement (soft=True) to run it on "
-                f"the CPU, or place the module that uses it on cpu (--place MODULE=cpu)")
+            advice = ("soft placement cannot help, the CPU being its fallback; run that part on another device"
+                      if device == "cpu" else
+                      "rerun with --soft-placement (soft=True) to run it on the CPU, or place the module that "
+                      "uses it on cpu (--place MODULE=cpu)")
+            return DeviceError(f"operator {match['op']} is not implemented for device {device}; available "
+                               f"devices: {', '.join(available_device_names())}; {advice}")
     return None
 
 

@@ -43,6 +43,17 @@ _NUMBER = re.compile(r"[0-9]+", re.ASCII)
 _TF_PREFIXES = ("device:", "physical_device:")
 
 
+def _quiet_logger() -> logging.Logger:
+    logger = logging.getLogger(f"{LOGGER_NAME}.quiet")
+    logger.addHandler(logging.NullHandler())  # no handler at all would print through logging.lastResort
+    logger.propagate = False
+    return logger
+
+
+#: for resolving a device only to check it or to pick a backend: the worker that uses it logs the decision
+QUIET = _quiet_logger()
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """A parsed device name.
@@ -173,7 +184,9 @@ def _indexed(kind: str, index: int, text: str, *, tensorflow: bool) -> DeviceSpe
 
 def _parse_list(first: DeviceSpec, rest: list[str], text: str) -> DeviceSpec:
     """``cuda:0,1`` / ``cuda:0,cuda:1``: later items are bare indices or devices of the same type."""
-    if first.type != "cuda" or len(first.indices) != 1:
+    if first.type == "cuda" and not first.indices:
+        raise _bad(text, "a list gives each device's index, e.g. cuda:0,1")
+    if first.type != "cuda":
         raise _bad(text, "only CUDA devices can be listed (e.g. cuda:0,1); the CPU and MPS are one device each")
     indices = list(first.indices)
     for item in rest:
@@ -227,8 +240,8 @@ def resolve_device(spec: str | DeviceSpec | torch.device, *, local_rank: int = 0
     if not soft:
         raise DeviceError(
             f"device '{requested}'{origin} is not available: {problem}; available devices: "
-            f"{', '.join(available_device_names())}; choose one of them (--device), or allow a fallback "
-            f"to {fallback} with --soft-placement (soft=True)")
+            f"{', '.join(available_device_names())}; choose one of them, or allow a fallback to {fallback} "
+            f"with --soft-placement (soft=True)")
     log.warning("soft placement: device '%s' is not available (%s); using %s instead", requested, problem, fallback)
     return fallback
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from polytrain.devices.spec import default_backend, parse_device, resolve_device
+from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.dist.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
 from polytrain.dist.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.dist.topology import Topology
@@ -55,6 +55,9 @@ class LaunchConfig:
     master_port: int | None = option(None, "port of the local rendezvous on 127.0.0.1 (default: a free one)",
                                      minimum=0, metavar="PORT")
     log_all_ranks: bool = option(False, "every rank logs, prefixed [rank N] (default: rank 0 only)")
+
+
+_DEFAULT_WORKERS = LaunchConfig.workers  # a device spec naming its workers (cpu:4) overrides this default
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class _Job:
     threads: int
     store_port: int
     log_all_ranks: bool
+    soft_placement: bool = False
 
 
 def available_cores() -> int:
@@ -107,60 +111,85 @@ def under_torchrun() -> bool:
 
 
 def resolve_workers(workers: str | int, device: str) -> int:
-    """``auto`` → one worker per visible GPU (CUDA devices) or per CPU core."""
-    if isinstance(workers, int) or workers != "auto":
+    """The number of local workers: ``--workers`` and what the device spec says about it.
+
+    ``auto`` -> one worker per listed or visible GPU (CUDA devices), else per CPU core. A device spec
+    that names its workers (``cpu:4``, ``cuda:0,1``) sets the count; an explicit ``--workers`` other than
+    the default that disagrees with it is an error. An ``int`` is a count the caller already decided.
+    """
+    if isinstance(workers, int):
+        if workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {workers}")
+        return workers
+    spec = parse_device(device)
+    if spec.workers is not None:
+        if workers in ("auto", str(spec.workers), _DEFAULT_WORKERS):
+            return spec.workers
+        raise ConfigError(f"--workers {workers} and --device {spec.text or spec} ({spec.workers} workers) "
+                          f"disagree; give one of them")
+    if workers != "auto":
         count = int(workers)
         if count < 1:
             raise ConfigError(f"--workers must be >= 1, got {count}")
         return count
-    spec = parse_device(device)
     if spec.type in ("cuda", "auto") and torch.cuda.is_available():
-        return len(spec.indices) or torch.cuda.device_count()
+        return torch.cuda.device_count()
     return available_cores()
 
 
-def resolve_backend(backend: str, device: str) -> str:
+def resolve_backend(backend: str, device: str, *, soft: bool = False) -> str:
+    """``auto`` -> nccl when the first local worker's device is a GPU, else gloo.
+
+    With ``soft``, an unavailable device counts as its fallback (without logging: each worker logs its
+    own fallback decision); without it, an unavailable device is a DeviceError naming it.
+    """
     if backend not in BACKENDS:
         raise ConfigError(f"--backend: unknown backend '{backend}'; accepted: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return default_backend(resolve_device(device, local_rank=0))
+    return default_backend(resolve_device(device, local_rank=0, soft=soft, log=QUIET))
 
 
 def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: str = "cpu",
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
-           master_port: int | None = None, log_all_ranks: bool = False) -> list[Any]:
+           master_port: int | None = None, log_all_ranks: bool = False,
+           soft_placement: bool = False) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
+
+    ``device`` is resolved in each worker for its local rank; with ``soft_placement`` an unavailable
+    device falls back (to another GPU or the CPU) with a warning instead of failing.
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
     ``if __name__ == "__main__":``, as with any spawned process.
     """
     if under_torchrun():
-        return [_join_torchrun(fn, args, device, backend, timeout)]
+        return [_join_torchrun(fn, args, device, backend, timeout, soft_placement)]
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
     count = resolve_workers(workers, device)
     if count == 1:
-        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks)]
-    return _spawn(fn, args, count, device, resolve_backend(backend, device), timeout,
-                  threads_per_worker or max(1, available_cores() // count), master_port, log_all_ranks)
+        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
+    return _spawn(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
+                  threads_per_worker or max(1, available_cores() // count), master_port, log_all_ranks,
+                  soft_placement)
 
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
-                    log_all_ranks: bool) -> Any:
+                    log_all_ranks: bool, soft_placement: bool = False) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
     if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
         torch.set_num_threads(threads)
-    return fn(WorkerContext(Topology(device=resolve_device(device))), *args)
+    return fn(WorkerContext(Topology(device=resolve_device(device, soft=soft_placement))), *args)
 
 
 def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], count: int, device: str, backend: str,
-           timeout: float, threads: int, master_port: int | None, log_all_ranks: bool) -> list[Any]:
+           timeout: float, threads: int, master_port: int | None, log_all_ranks: bool,
+           soft_placement: bool = False) -> list[Any]:
     _check_devices(count, device, backend)
     server = StoreServer(timedelta(seconds=timeout), "127.0.0.1", master_port or 0)
-    job = _Job(fn, args, count, device, backend, timeout, threads, server.port, log_all_ranks)
+    job = _Job(fn, args, count, device, backend, timeout, threads, server.port, log_all_ranks, soft_placement)
     ctx = mp.get_context("spawn")
     processes, conns = [], []
     try:
@@ -262,7 +291,7 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
 
 def _init_spawned(job: _Job, rank: int) -> Topology:
     timeout = timedelta(seconds=job.timeout_s)
-    device = resolve_device(job.device, local_rank=rank)
+    device = resolve_device(job.device, local_rank=rank, soft=job.soft_placement)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = connect_store("127.0.0.1", job.store_port, timeout)
@@ -271,7 +300,7 @@ def _init_spawned(job: _Job, rank: int) -> Topology:
 
 
 def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, backend: str,
-                   timeout: float) -> Any:
+                   timeout: float, soft_placement: bool = False) -> Any:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -280,7 +309,7 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, b
         interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-    resolved = resolve_device(device, local_rank=local_rank)
+    resolved = resolve_device(device, local_rank=local_rank, soft=soft_placement)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     chosen = backend if backend != "auto" else default_backend(resolved)

@@ -13,6 +13,7 @@ from torch import nn
 
 from polytrain.data.base import DataBundle
 from polytrain.data.registry import check_data
+from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.dist.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.errors import ConfigError
@@ -31,7 +32,8 @@ def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBund
     parse_device(config.device.device)
     workers = resolve_workers(config.launch.workers, config.device.device)
     processes = strategy.processes(workers)
-    resolve_backend(config.launch.backend, config.device.device)
+    check_device_config(config.device, processes)
+    resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(processes, config.global_batch(processes), config.train.accumulate)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
@@ -70,6 +72,7 @@ def run(config: "RunConfig", *, model: nn.Module | None = None,
         workers=processes, device=config.device.device, backend=config.launch.backend,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
+        soft_placement=config.device.soft_placement,
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None

@@ -1,14 +1,15 @@
 """Everything a run needs, built from the config in a fixed order, and resumed from a checkpoint.
 
-Order: seed → data → strategy and shard → batch plan → model (placed, then wrapped by the strategy) →
-optimizer and LR schedule → checkpoint resume. Every rank builds the same thing from the same seed.
+Order: seed → data → strategy and shard → batch plan → model (moved to the worker's device and wrapped by
+the strategy, then its sub-modules placed by ``--place``/``--placement``) → optimizer and LR schedule →
+checkpoint resume. Every rank builds the same thing from the same seed.
 """
 
 from __future__ import annotations
 
 import copy
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,8 +18,10 @@ from torch import nn
 
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import BatchPlan, Shard
+from polytrain.devices.placement import model_devices
+from polytrain.devices.runtime import DeviceRuntime
 from polytrain.dist.topology import Topology
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.registry import build_model
 from polytrain.strategies import Strategy, get_strategy
@@ -56,6 +59,7 @@ class Session:
     total_steps: int
     checkpointer: Checkpointer | None
     start_step: int = 0
+    devices: DeviceRuntime = field(default_factory=DeviceRuntime)
 
     @property
     def log(self):
@@ -122,16 +126,44 @@ def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = 
         model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                             num_classes=data.num_outputs)
     model = strategy.prepare_model(model)
+    devices = _device_runtime(config, topology)
+    _place(devices, config, topology, strategy, model)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
     optimizer = build_optimizer(model.parameters(), config.optim, lr)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
                     if config.checkpoint.checkpoint_dir else None)
     session = Session(config, topology, data, strategy, shard, plan, model, get_task(data.task), optimizer,
-                      schedule, total_steps, checkpointer)
+                      schedule, total_steps, checkpointer, devices=devices)
     if config.checkpoint.resume:
         _resume(session)
+    devices.log_steps_from(session.start_step, config.device.log_placement_steps)
     return session
+
+
+def _device_runtime(config: "RunConfig", topology: Topology) -> DeviceRuntime:
+    dev = config.device
+    return DeviceRuntime(soft=dev.soft_placement, log_placement=dev.log_placement, rank=topology.rank,
+                         local_rank=topology.local_rank, log_dir=config.log.log_dir,
+                         gpu_memory_fraction=dev.gpu_memory_fraction)
+
+
+def _place(devices: DeviceRuntime, config: "RunConfig", topology: Topology, strategy: Strategy,
+           model: nn.Module) -> None:
+    """Place the sub-modules of this worker's model (already on ``topology.device``) as the plan says.
+
+    After the strategy's ``prepare_model``, which moves the whole model to the worker's device (placing
+    before would be undone). A strategy that wraps the model (DDP) has built its gradient buckets on that
+    device by then, so with one the plan may not move parameters elsewhere.
+    """
+    unwrapped = strategy.unwrap(model)
+    devices.prepare(unwrapped, config.device.plan(), home=topology.device)
+    if unwrapped is not model and model_devices(unwrapped) not in ([], [topology.device]):
+        spread = ", ".join(str(d) for d in model_devices(unwrapped))
+        raise DeviceError(f"--strategy {config.train.strategy} keeps one whole replica per worker on its device "
+                          f"({topology.device}), but the placement puts this worker's model on {spread}; "
+                          "use --strategy single for layers on several devices, or place them on "
+                          f"{topology.device}")
 
 
 def _build_data(config: "RunConfig") -> DataBundle:

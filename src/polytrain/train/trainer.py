@@ -2,7 +2,10 @@
 
 :class:`Trainer` runs inside one worker process (``polytrain.launch`` starts the workers). Each step:
 set the scheduled LR → forward/backward on this worker's slice (``forward_backward``) → average the loss
-over workers and stop on NaN/inf → optimizer step → log, evaluate, checkpoint at their intervals.
+over workers and stop on NaN/inf → optimizer step → log, evaluate, checkpoint at their intervals. The
+compute of each step runs inside the session's device runtime (``s.devices``): the per-operator placement
+log on the first step(s) with ``--log-placement``, the CPU fallback with ``--soft-placement``, and errors
+naming the device of an operator it lacks.
 """
 
 from __future__ import annotations
@@ -82,11 +85,14 @@ class Trainer:
             tick = time.perf_counter()
             _, inputs, targets = next(batches)
             s.optimizer.zero_grad(set_to_none=True)
-            local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate)
-            loss = self._mean_over_ranks(local_loss)
-            check_finite(loss, step + 1)
+            with s.devices.step_context(step):
+                local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate)
+                with s.devices.phase("loss"):  # averaged over the workers and checked for NaN/inf
+                    loss = self._mean_over_ranks(local_loss)
+                    check_finite(loss, step + 1)
+                with s.devices.phase("optimizer"):
+                    s.strategy.optimizer_step(s.optimizer)
             done = step + 1
-            s.strategy.optimizer_step(s.optimizer)
             elapsed = time.perf_counter() - tick
             waited = s.strategy.take_wait_seconds()
             meter.add(len(inputs), elapsed, waited, loss)
@@ -137,7 +143,8 @@ class Trainer:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, count
         for x, y in eval_batches(s.data.test, self.config.train.eval_batch_size, s.shard, topo.device):
-            loss_sum, correct = s.task.score(model(x), y)
+            with s.devices.context():
+                loss_sum, correct = s.task.score(model(x), y)
             sums += torch.stack([loss_sum.double().to(topo.device), correct.double().to(topo.device),
                                  torch.tensor(float(len(y)), dtype=torch.float64, device=topo.device)])
         topo.all_reduce_sum(sums)
