@@ -158,3 +158,14 @@ def test_runtime_without_soft_placement_names_the_device():
     with pytest.raises(DeviceError, match="operator polytrain_test::double_it is not implemented for device meta"):
         with runtime.step_context(0):
             double_it(torch.ones(2, device="meta"))
+
+
+def test_runtime_context_for_evaluation(lazy, tmp_path):
+    runtime = DeviceRuntime(soft=True, log_placement=True, log_dir=tmp_path)
+    with runtime.context():
+        assert double_it(torch.ones(2, device=lazy)).cpu().tolist() == [2.0, 2.0]
+    assert runtime.soft_mode.fallen_back == {"polytrain_test::double_it": 1}
+    assert list(tmp_path.iterdir()) == []  # evaluation is not part of the per-operator log
+    with pytest.raises(DeviceError, match="operator polytrain_test::double_it is not implemented for device meta"):
+        with DeviceRuntime().context():
+            double_it(torch.ones(2, device="meta"))
