@@ -103,8 +103,10 @@ def test_metrics_file_contract_and_saved_model(tmp_path):
     steps = [r for r in lines if r["event"] == "step"]
     assert [r["step"] for r in steps] == [5, 10, 15, 20]
     for r in steps:
-        assert {"step", "loss", "lr", "examples_per_sec", "sec_per_batch"} <= set(r)
+        assert {"step", "loss", "lr", "examples_per_sec", "sec_per_batch", "time_s"} <= set(r)
         assert r["examples_per_sec"] > 0 and r["sec_per_batch"] > 0
+    times = [r["time_s"] for r in steps]
+    assert times == sorted(times) and times[0] > 0 and times[-1] <= summary["wall_s"]
     end = lines[-1]
     assert end["event"] == "end"
     assert {"steps", "train_loss", "eval_loss", "eval_accuracy", "wall_s"} <= set(end)

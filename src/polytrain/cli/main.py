@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from polytrain import __version__
+from polytrain.cli import bench as bench_cmd
 from polytrain.cli import devices as devices_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.errors import PolytrainError
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     train_cmd.add_parser(sub)
     devices_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

@@ -76,6 +76,7 @@ class Trainer:
         batches = iter(ShardedBatches(s.data.train, s.plan, s.shard, topo.device, s.start_step,
                                       cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
+        self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
         last_interval_loss: float | None = None
         step = s.start_step
@@ -133,6 +134,8 @@ class Trainer:
             "examples_per_sec": round(meter.examples_per_sec() * s.shard.count, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
             "rank_examples_per_sec": rank_rates,
+            # wall clock since the loop began, all overhead included: rates between two records are end to end
+            "time_s": round(time.perf_counter() - self._loop_started, 4),
         }
 
     @torch.no_grad()

@@ -1,0 +1,124 @@
+"""The yardstick for ``polytrain bench``: a plain, hand-written PyTorch DDP training script.
+
+It is what a PyTorch user would write without polytrain: ``torch.multiprocessing`` spawns the workers,
+they rendezvous through a ``FileStore`` in a private temporary directory (nothing listens on the
+network), gloo is pinned to the loopback interface, each worker wraps the model in
+``DistributedDataParallel`` and runs zero_grad / forward / loss / backward / step on its slice of each
+global batch, gathered from the in-memory dataset in one indexing op.
+
+Only the model and the data are taken from polytrain's registries, so that both sides train the same
+network on the same examples; the batch order uses the same seeded permutation as polytrain's, so with
+the same seed both do exactly the same steps (a test checks the final parameters agree).
+
+Run alone::
+
+    python -m polytrain.bench.ddp_reference --workers 2 --steps 30 --result ddp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from polytrain.data.registry import build_data
+from polytrain.models.registry import build_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m polytrain.bench.ddp_reference",
+                                description="Plain PyTorch DDP training, timed after a warm-up.")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
+    p.add_argument("--model", default="cifar_cnn")
+    p.add_argument("--data", default="synthetic:shape=3x24x24,size=4096,test_size=0")
+    p.add_argument("--worker-batch-size", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=30, help="timed steps after the warm-up")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
+    p.add_argument("--result", required=True, help="JSON file for rank 0's measurement")
+    p.add_argument("--save-model", help="write the final state_dict here")
+    return p.parse_args(argv)
+
+
+def loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), next(n for n in names if n.startswith("lo")))
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
+    # the same seeded permutation polytrain's BatchPlan uses, so both runs see identical batches
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
+    torch.set_num_threads(args.threads)
+    timeout = timedelta(seconds=args.timeout)
+    store = dist.FileStore(store_path, args.workers)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.workers, timeout=timeout)
+    try:
+        train(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(rank: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    data = build_data(args.data, seed=args.seed)
+    if not hasattr(data.train, "get_batch"):
+        raise SystemExit(f"--data {args.data}: the DDP reference needs a dataset that gathers a batch in one "
+                         "op (get_batch): digits, synthetic or cifar10")
+    if data.task != "classification":
+        raise SystemExit(f"--data {args.data}: the DDP reference trains classifiers (cross-entropy) only")
+    model = build_model(args.model, input_shape=data.input_shape, num_classes=data.num_outputs)
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    global_batch = args.worker_batch_size * args.workers
+    steps_per_epoch = len(data.train) // global_batch
+    total = args.warmup + args.steps
+    started = 0.0
+    for step in range(total):
+        if step == args.warmup:
+            started = time.perf_counter()
+        epoch, batch = divmod(step, steps_per_epoch)
+        order = epoch_order(len(data.train), args.seed, epoch)
+        mine = order[batch * global_batch:(batch + 1) * global_batch]
+        mine = mine[rank * args.worker_batch_size:(rank + 1) * args.worker_batch_size]
+        x, y = data.train.get_batch(mine, epoch)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - started
+    if rank == 0:
+        if args.save_model:
+            torch.save(model.module.state_dict(), args.save_model)
+        with open(args.result, "w") as fh:
+            json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed,
+                       "timed_steps": args.steps, "global_batch": global_batch, "final_loss": loss.item()}, fh)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    with tempfile.TemporaryDirectory(prefix="ddp-reference-") as tmp:
+        mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers,
+                           join=True, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

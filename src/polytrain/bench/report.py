@@ -1,0 +1,127 @@
+"""From measurements to the rows, ratios and tables that ``polytrain bench`` prints and writes.
+
+Every ratio divides numbers taken in the same run (medians over interleaved repeats), because absolute
+throughput on a shared machine drifts from one minute to the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polytrain import __version__
+from polytrain.bench.cases import BenchConfig, Case
+from polytrain.bench.measure import Measurement
+from polytrain.dist.launch import available_cores
+
+#: (key, description, numerator case, denominator case, workers factor on the denominator, target)
+RATIOS = (
+    ("sync_vs_ddp", "polytrain sync / plain DDP", "sync", "ddp", False, 0.98),
+    ("sync_weak_scaling", "weak scaling: sync N / (N x single 1 thread)", "sync", "single_1t", True, 0.90),
+    ("ddp_weak_scaling", "weak scaling: DDP N / (N x single 1 thread)", "ddp", "single_1t", True, None),
+    ("sync_vs_single_all", "sync N x 1 thread / single with all cores", "sync", "single_all", False, None),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    runs: list[float]
+    final_loss: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.case
+        return {"case": c.key, "label": c.label, "runner": c.runner, "strategy": c.strategy, "workers": c.workers,
+                "threads_per_worker": c.threads, "global_batch": c.global_batch,
+                "examples_per_sec": round(self.median, 2), "sec_per_batch": round(c.global_batch / self.median, 5),
+                "runs_examples_per_sec": [round(r, 2) for r in self.runs], "final_loss": round(self.final_loss, 5)}
+
+
+def rows(cases: list[Case], measurements: list[Measurement]) -> list[Row]:
+    out = []
+    for case in cases:
+        mine = sorted((m for m in measurements if m.case == case.key), key=lambda m: m.repeat)
+        out.append(Row(case, [m.examples_per_sec for m in mine], mine[-1].final_loss))
+    return out
+
+
+def ratios(table: list[Row], workers: int) -> list[dict[str, Any]]:
+    by_key = {r.case.key: r for r in table}
+    out = []
+    for key, label, num, den, per_worker, target in RATIOS:
+        value = by_key[num].median / (by_key[den].median * (workers if per_worker else 1))
+        out.append({"key": key, "label": label.replace("N", str(workers)), "value": round(value, 4),
+                    "target": target, "met": None if target is None else value >= target})
+    return out
+
+
+def environment() -> dict[str, Any]:
+    return {"polytrain": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu": _cpu_model(), "cores": available_cores(),
+            "threads_default": torch.get_num_threads(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def result_document(cfg: BenchConfig, table: list[Row]) -> dict[str, Any]:
+    return {"config": cfg.to_dict(), "env": environment(), "rows": [r.to_dict() for r in table],
+            "ratios": ratios(table, cfg.workers)}
+
+
+def _verdict(ratio: dict[str, Any]) -> str:
+    if ratio["target"] is None:
+        return ""
+    return f"target >= {ratio['target']:.2f}: {'met' if ratio['met'] else 'NOT met'}"
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    cfg, env = doc["config"], doc["env"]
+    lines = [f"{cfg['model']} on {cfg['data']}; {cfg['worker_batch_size']} examples per worker per step; "
+             f"median of {cfg['repeats']} interleaved repeat(s) of {cfg['steps']} steps after {cfg['warmup']} "
+             f"warm-up; {env['cores']} cores ({env['cpu']}), torch {env['torch']}", ""]
+    lines.append(f"{'case':<38} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
+    for row in doc["rows"]:
+        runs = " ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
+        lines.append(f"{row['label']:<38} {row['workers']:>8} x {row['threads_per_worker']:<6} "
+                     f"{row['global_batch']:>6} {row['examples_per_sec']:>11.1f} {row['sec_per_batch']:>8.4f}  {runs}")
+    lines.append("")
+    for ratio in doc["ratios"]:
+        lines.append(f"{ratio['label']:<50} {ratio['value']:>6.3f}   {_verdict(ratio)}".rstrip())
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    cfg, env = doc["config"], doc["env"]
+    lines = [f"`{cfg['model']}` on `{cfg['data']}`, {cfg['worker_batch_size']} examples per worker per step, "
+             f"median of {cfg['repeats']} interleaved repeats of {cfg['steps']} timed steps after "
+             f"{cfg['warmup']} warm-up steps. {env['cores']} cores ({env['cpu']}), torch {env['torch']}, "
+             f"Python {env['python']}, {env['date']}.", "",
+             "| case | workers × threads | global batch | examples/s (median) | s/batch | runs |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in doc["rows"]:
+        runs = ", ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
+        lines.append(f"| {row['label']} | {row['workers']} × {row['threads_per_worker']} | {row['global_batch']} | "
+                     f"{row['examples_per_sec']:.1f} | {row['sec_per_batch']:.4f} | {runs} |")
+    lines += ["", "| ratio | value | target |", "|---|---:|---|"]
+    for ratio in doc["ratios"]:
+        lines.append(f"| {ratio['label']} | {ratio['value']:.3f} | {_verdict(ratio) or '—'} |")
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,34 @@
+"""Rows and ratios from measurements: medians over repeats, ratios as defined in the issue."""
+
+import pytest
+
+from polytrain.bench.cases import BenchConfig, plan
+from polytrain.bench.measure import Measurement
+from polytrain.bench.report import format_markdown, format_text, result_document, rows
+
+
+def _measurements(rates):
+    return [Measurement(key, r, rate, 1.0, 0.5) for key, runs in rates.items() for r, rate in enumerate(runs)]
+
+
+def test_medians_and_ratios():
+    cfg = BenchConfig(workers=2)
+    cases = plan(cfg, cores=2)
+    table = rows(cases, _measurements({"single_1t": [100, 90, 300], "single_all": [150, 160, 170],
+                                       "sync": [190, 185, 10], "ddp": [190, 200, 195]}))
+    doc = result_document(cfg, table)
+    by_case = {r["case"]: r for r in doc["rows"]}
+    assert by_case["single_1t"]["examples_per_sec"] == 100  # median, not mean: one slow or fast run does not count
+    assert by_case["sync"]["runs_examples_per_sec"] == [190, 185, 10]
+    assert by_case["ddp"]["sec_per_batch"] == pytest.approx(128 / 195, abs=1e-5)
+    ratios = {r["key"]: r for r in doc["ratios"]}
+    assert ratios["sync_vs_ddp"]["value"] == pytest.approx(185 / 195, abs=1e-4)
+    assert ratios["sync_vs_ddp"]["met"] is False and ratios["sync_vs_ddp"]["target"] == 0.98
+    assert ratios["sync_weak_scaling"]["value"] == pytest.approx(185 / (2 * 100), abs=1e-4)
+    assert ratios["sync_weak_scaling"]["met"] is True
+    assert ratios["ddp_weak_scaling"]["met"] is None
+    assert ratios["sync_vs_single_all"]["value"] == pytest.approx(185 / 160, abs=1e-4)
+    assert {"torch", "cores", "cpu", "python"} <= set(doc["env"])
+    text, markdown = format_text(doc), format_markdown(doc)
+    assert "NOT met" in text and "0.949" in text
+    assert "| polytrain sync, 2 workers x 1 thread | 2 × 1 | 128 | 185.0 |" in markdown

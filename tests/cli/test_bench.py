@@ -1,0 +1,37 @@
+"""`polytrain bench` as a user runs it: every case runs and the table, JSON and Markdown come out.
+Structure only: timing numbers from a 2-step run on a shared machine mean nothing, so none is asserted."""
+
+import json
+import subprocess
+import sys
+
+
+def polytrain(*args, env, cwd, timeout=600):
+    return subprocess.run([sys.executable, "-m", "polytrain", "bench", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_bench_runs_every_case_and_writes_json_and_markdown(cli_env, tmp_path):
+    proc = polytrain("--quick", "--markdown", "bench.md", env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "polytrain-bench.json").read_text())
+    assert [r["case"] for r in doc["rows"]] == ["single_1t", "single_all", "sync", "ddp"]
+    assert all(r["examples_per_sec"] > 0 and len(r["runs_examples_per_sec"]) == 1 for r in doc["rows"])
+    assert {r["key"] for r in doc["ratios"]} == {"sync_vs_ddp", "sync_weak_scaling", "ddp_weak_scaling",
+                                                 "sync_vs_single_all"}
+    assert doc["config"]["steps"] == 2 and doc["env"]["torch"] == __import__("torch").__version__
+    assert "polytrain sync / plain DDP" in proc.stdout and "weak scaling" in proc.stdout
+    assert "| plain PyTorch DDP, 2 workers x 1 thread | 2 × 1 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_plan_prints_the_cases_without_running(cli_env, tmp_path):
+    proc = polytrain("--plan", "--workers", "3", env=cli_env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "polytrain sync, 3 workers x 1 thread" in proc.stdout and "global batch 192" in proc.stdout
+    assert not (tmp_path / "polytrain-bench.json").exists()
+
+
+def test_bad_settings_exit_with_one_line(cli_env, tmp_path):
+    proc = polytrain("--workers", "0", env=cli_env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "polytrain: error: --workers must be >= 1, got 0"
