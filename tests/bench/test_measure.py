@@ -36,6 +36,14 @@ def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path, cli_env):
         rel = (ours[name] - theirs[name]).norm() / theirs[name].norm()
         assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
 
+    # the ceiling case really exchanges nothing: rank 0 then trains on its own halves only
+    alone = next(c for c in plan(SMALL, cores=2) if c.key == "no_exchange")
+    done = subprocess.run(ddp_command(alone, SMALL, tmp_path / "alone.json", tmp_path / "alone.pt"), env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    solo = torch.load(tmp_path / "alone.pt", weights_only=True)
+    assert max((solo[n] - theirs[n]).norm() / theirs[n].norm() for n in solo) > 1e-3
+
 
 def test_a_polytrain_case_is_timed_from_its_metrics_file(tmp_path):
     case = next(c for c in plan(SMALL, cores=2) if c.key == "single_1t")

@@ -46,7 +46,8 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Case:
-    """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script)."""
+    """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script);
+    ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling)."""
 
     key: str
     label: str
@@ -55,6 +56,7 @@ class Case:
     workers: int
     threads: int
     global_batch: int
+    exchange: bool = True
 
     @property
     def layout(self) -> str:
@@ -70,6 +72,8 @@ def plan(cfg: BenchConfig, cores: int | None = None) -> list[Case]:
         Case("single_all", f"polytrain single, all {cores} cores", "polytrain", "single", 1, cores, n * b),
         Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b),
         Case("ddp", f"plain PyTorch DDP, {n} workers x 1 thread", "ddp", "sync", n, 1, n * b),
+        Case("no_exchange", f"{n} workers x 1 thread, no exchange (ceiling)", "ddp", "sync", n, 1, n * b,
+             exchange=False),
     ]
 
 

@@ -18,6 +18,7 @@ Run alone::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
     p.add_argument("--result", required=True, help="JSON file for rank 0's measurement")
     p.add_argument("--save-model", help="write the final state_dict here")
+    p.add_argument("--no-sync", action="store_true",
+                   help="never exchange gradients (DDP's no_sync): what N workers compute when nothing is "
+                        "communicated, the ceiling for any data-parallel training on this machine")
     return p.parse_args(argv)
 
 
@@ -99,8 +103,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
         mine = mine[rank * args.worker_batch_size:(rank + 1) * args.worker_batch_size]
         x, y = data.train.get_batch(mine, epoch)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        with model.no_sync() if args.no_sync else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
         optimizer.step()
     elapsed = time.perf_counter() - started
     if rank == 0:

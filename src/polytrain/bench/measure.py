@@ -67,6 +67,7 @@ def ddp_command(case: Case, cfg: BenchConfig, result: Path, save_model: Path | N
            "--worker-batch-size", str(case.global_batch // case.workers), "--warmup", str(cfg.warmup),
            "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--momentum", str(cfg.momentum),
            "--seed", str(cfg.seed), "--timeout", str(cfg.timeout), "--result", str(result)]
+    cmd += [] if case.exchange else ["--no-sync"]
     return cmd + (["--save-model", str(save_model)] if save_model else [])
 
 

@@ -24,6 +24,9 @@ RATIOS = (
     ("sync_vs_ddp", "polytrain sync / plain DDP", "sync", "ddp", False, 0.98),
     ("sync_weak_scaling", "weak scaling: sync N / (N x single 1 thread)", "sync", "single_1t", True, 0.90),
     ("ddp_weak_scaling", "weak scaling: DDP N / (N x single 1 thread)", "ddp", "single_1t", True, None),
+    ("ceiling_weak_scaling", "weak scaling without any exchange (the ceiling)", "no_exchange", "single_1t", True,
+     None),
+    ("sync_vs_ceiling", "sync N / the same N workers without exchange", "sync", "no_exchange", False, None),
     ("sync_vs_single_all", "sync N x 1 thread / single with all cores", "sync", "single_all", False, None),
 )
 
