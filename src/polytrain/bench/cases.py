@@ -91,6 +91,6 @@ def describe(cfg: BenchConfig, cases: list[Case]) -> str:
     lines = [f"model {cfg.model}, data {cfg.data}, {cfg.worker_batch_size} examples per worker per step, "
              f"{cfg.warmup} warm-up + {cfg.steps} timed steps, {cfg.repeats} interleaved repeat(s)"]
     for case in cases:
-        lines.append(f"  {case.key:<11} {case.label:<40} workers x threads {case.layout:<5} "
+        lines.append(f"  {case.key:<11} {case.label:<46} workers x threads {case.layout:<5} "
                      f"global batch {case.global_batch}")
     return "\n".join(lines)

@@ -58,12 +58,17 @@ def rows(cases: list[Case], measurements: list[Measurement]) -> list[Row]:
 
 
 def ratios(table: list[Row], workers: int) -> list[dict[str, Any]]:
+    """Each ratio is the median over repeats of the ratio within a repeat: the two cases of a pair ran
+    minutes apart at most, so the machine's slow drift cancels out of every per-repeat ratio."""
     by_key = {r.case.key: r for r in table}
     out = []
     for key, label, num, den, per_worker, target in RATIOS:
-        value = by_key[num].median / (by_key[den].median * (workers if per_worker else 1))
+        factor = workers if per_worker else 1
+        paired = [a / (b * factor) for a, b in zip(by_key[num].runs, by_key[den].runs)]
+        value = statistics.median(paired)
         out.append({"key": key, "label": label.replace("N", str(workers)), "value": round(value, 4),
-                    "target": target, "met": None if target is None else value >= target})
+                    "per_repeat": [round(v, 4) for v in paired], "target": target,
+                    "met": None if target is None else value >= target})
     return out
 
 
@@ -100,14 +105,15 @@ def format_text(doc: dict[str, Any]) -> str:
     lines = [f"{cfg['model']} on {cfg['data']}; {cfg['worker_batch_size']} examples per worker per step; "
              f"median of {cfg['repeats']} interleaved repeat(s) of {cfg['steps']} steps after {cfg['warmup']} "
              f"warm-up; {env['cores']} cores ({env['cpu']}), torch {env['torch']}", ""]
-    lines.append(f"{'case':<38} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
+    lines.append(f"{'case':<46} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
     for row in doc["rows"]:
         runs = " ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
-        lines.append(f"{row['label']:<38} {row['workers']:>8} x {row['threads_per_worker']:<6} "
+        lines.append(f"{row['label']:<46} {row['workers']:>8} x {row['threads_per_worker']:<6} "
                      f"{row['global_batch']:>6} {row['examples_per_sec']:>11.1f} {row['sec_per_batch']:>8.4f}  {runs}")
     lines.append("")
     for ratio in doc["ratios"]:
-        lines.append(f"{ratio['label']:<50} {ratio['value']:>6.3f}   {_verdict(ratio)}".rstrip())
+        spread = f"{min(ratio['per_repeat']):.3f}-{max(ratio['per_repeat']):.3f}"
+        lines.append(f"{ratio['label']:<50} {ratio['value']:>6.3f}  ({spread:<11})  {_verdict(ratio)}".rstrip())
     return "\n".join(lines)
 
 
@@ -123,8 +129,9 @@ def format_markdown(doc: dict[str, Any]) -> str:
         runs = ", ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
         lines.append(f"| {row['label']} | {row['workers']} × {row['threads_per_worker']} | {row['global_batch']} | "
                      f"{row['examples_per_sec']:.1f} | {row['sec_per_batch']:.4f} | {runs} |")
-    lines += ["", "| ratio | value | target |", "|---|---:|---|"]
+    lines += ["", "| ratio (median of per-repeat ratios) | value | per repeat | target |", "|---|---:|---|---|"]
     for ratio in doc["ratios"]:
-        lines.append(f"| {ratio['label']} | {ratio['value']:.3f} | {_verdict(ratio) or '—'} |")
+        per_repeat = ", ".join(f"{v:.3f}" for v in ratio["per_repeat"])
+        lines.append(f"| {ratio['label']} | {ratio['value']:.3f} | {per_repeat} | {_verdict(ratio) or '—'} |")
     return "\n".join(lines) + "\n"
 
