@@ -94,6 +94,23 @@ def test_diverged_error_in_sync_workers_is_reported_once(tmp_path):
         polytrain.fit(strategy="sync", workers=2, steps=50, lr=1e12, **dict(BASE, model="mlp"))
 
 
+def test_a_nan_seen_by_one_worker_stops_the_job_naming_that_rank_and_step(tmp_path):
+    """The loss is checked on each rank without a collective; the rank whose slice holds a NaN stops the job."""
+    from polytrain.data.base import DataBundle, TensorData
+    from polytrain.data.batches import BatchPlan
+
+    inputs, targets = torch.randn(256, 20), torch.randint(0, 3, (256,))
+    bad = 77
+    inputs[bad, 0] = float("nan")
+    data = DataBundle("poisoned", TensorData(inputs, targets), None, (20,), 3)
+    plan = BatchPlan(256, 32, seed=5)
+    step = next(k for k in range(plan.steps_per_epoch) if bad in plan.global_indices(k).tolist())
+    rank = plan.global_indices(step).tolist().index(bad) // 16
+    with pytest.raises(DivergedError, match=rf"^\[rank {rank}\] model diverged at step {step + 1}:"):
+        polytrain.fit(model="mlp:hidden=8", data=data, strategy="sync", workers=2, batch_size=32, seed=5,
+                      steps=plan.steps_per_epoch, progress="off", eval_every=0)
+
+
 def test_metrics_file_contract_and_saved_model(tmp_path):
     metrics, weights = tmp_path / "m.jsonl", tmp_path / "model.pt"
     summary = polytrain.fit(strategy="single", steps=20, metrics_file=str(metrics), save_model=str(weights),

@@ -1,8 +1,8 @@
 """The trainer: builds data, model, strategy and optimizer from a config and runs the loop.
 
 :class:`Trainer` runs inside one worker process (``polytrain.launch`` starts the workers). Each step:
-set the scheduled LR → forward/backward on this worker's slice (``forward_backward``) → average the loss
-over workers and stop on NaN/inf → optimizer step → log, evaluate, checkpoint at their intervals. The
+set the scheduled LR → forward/backward on this worker's slice (``forward_backward``) → stop on a NaN/inf
+loss → optimizer step → log, evaluate, checkpoint at their intervals. The
 compute of each step runs inside the session's device runtime (``s.devices``): the per-operator placement
 log on the first step(s) with ``--log-placement``, the CPU fallback with ``--soft-placement``, and errors
 naming the device of an operator it lacks.
@@ -88,8 +88,11 @@ class Trainer:
             s.optimizer.zero_grad(set_to_none=True)
             with s.devices.step_context(step):
                 local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate)
-                with s.devices.phase("loss"):  # averaged over the workers and checked for NaN/inf
-                    loss = self._mean_over_ranks(local_loss)
+                with s.devices.phase("loss"):
+                    # checked here, on each rank, without a collective: the averaged gradients carry a NaN
+                    # to every rank, and the first rank to see one stops the job. The average over ranks
+                    # is taken when the loss is logged (a per-step all-reduce cost ~5% of a CPU step)
+                    loss = local_loss.item()
                     check_finite(loss, step + 1)
                 with s.devices.phase("optimizer"):
                     s.strategy.optimizer_step(s.optimizer)
@@ -101,8 +104,9 @@ class Trainer:
             run_log.advance()
             step = done
             if done % cfg.log.log_every == 0 or done == s.total_steps:
-                run_log.step(self._step_record(done, lr, meter))
-                last_interval_loss = meter.mean_loss
+                record = self._step_record(done, lr, meter)
+                run_log.step(record)
+                last_interval_loss = record["loss"]
                 meter = IntervalMeter()
             if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
                 run_log.histograms(s.strategy.unwrap(s.model), done)
@@ -119,8 +123,10 @@ class Trainer:
         self._save_model()
         return self._summary(step, totals, last_interval_loss, last_eval)
 
-    def _mean_over_ranks(self, local_loss: torch.Tensor) -> float:
-        total = self.topology.all_reduce_sum(local_loss.detach().reshape(1).to(self.topology.device))
+    def _mean_over_ranks(self, value: float) -> float:
+        if not self.topology.distributed:
+            return value
+        total = self.topology.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.topology.device))
         return total.item() / self.topology.world_size
 
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
@@ -129,7 +135,7 @@ class Trainer:
         return {
             "step": step,
             "epoch": round(step / s.plan.steps_per_epoch, 4),
-            "loss": meter.mean_loss,
+            "loss": self._mean_over_ranks(meter.mean_loss),  # every rank ran the same steps of the interval
             "lr": lr,
             "examples_per_sec": round(meter.examples_per_sec() * s.shard.count, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
