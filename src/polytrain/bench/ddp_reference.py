@@ -6,9 +6,9 @@ network), gloo is pinned to the loopback interface, each worker wraps the model 
 ``DistributedDataParallel`` and runs zero_grad / forward / loss / backward / step on its slice of each
 global batch, gathered from the in-memory dataset in one indexing op.
 
-Only the model and the data are taken from polytrain's registries, so that both sides train the same
-network on the same examples; the batch order uses the same seeded permutation as polytrain's, so with
-the same seed both do exactly the same steps (a test checks the final parameters agree).
+Only the model, the data and the batch order (``BatchPlan``: which examples form each global batch, and
+each worker's slice) are taken from polytrain, so that both sides train the same network on the same
+batches: with the same seed they do exactly the same steps (a test checks the final parameters agree).
 
 Run alone::
 
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -32,7 +31,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from polytrain.data.batches import BatchPlan, Shard
 from polytrain.data.registry import build_data
+from polytrain.dist.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
 
 
@@ -58,16 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def loopback_interface() -> str:
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in names if n in ("lo", "lo0")), next(n for n in names if n.startswith("lo")))
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
-    # the same seeded permutation polytrain's BatchPlan uses, so both runs see identical batches
-    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
 def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
     torch.set_num_threads(args.threads)
     timeout = timedelta(seconds=args.timeout)
@@ -91,17 +82,13 @@ def train(rank: int, args: argparse.Namespace) -> None:
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     global_batch = args.worker_batch_size * args.workers
-    steps_per_epoch = len(data.train) // global_batch
+    plan, shard = BatchPlan(len(data.train), global_batch, args.seed), Shard(rank, args.workers)
     total = args.warmup + args.steps
     started = 0.0
     for step in range(total):
         if step == args.warmup:
             started = time.perf_counter()
-        epoch, batch = divmod(step, steps_per_epoch)
-        order = epoch_order(len(data.train), args.seed, epoch)
-        mine = order[batch * global_batch:(batch + 1) * global_batch]
-        mine = mine[rank * args.worker_batch_size:(rank + 1) * args.worker_batch_size]
-        x, y = data.train.get_batch(mine, epoch)
+        x, y = data.train.get_batch(shard.take(plan.global_indices(step)), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         with model.no_sync() if args.no_sync else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y)

@@ -124,8 +124,6 @@ class Trainer:
         return self._summary(step, totals, last_interval_loss, last_eval)
 
     def _mean_over_ranks(self, value: float) -> float:
-        if not self.topology.distributed:
-            return value
         total = self.topology.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.topology.device))
         return total.item() / self.topology.world_size
 
