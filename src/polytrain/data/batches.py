@@ -9,6 +9,7 @@ averaged gradient as one device on the whole batch. Both are plain data: printab
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -42,15 +43,22 @@ class BatchPlan:
         return divmod(step, self.steps_per_epoch)
 
     def order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_examples)
-        gen = torch.Generator().manual_seed(self.seed * _EPOCH_STRIDE + epoch)
-        return torch.randperm(self.num_examples, generator=gen)
+        return _epoch_order(self.num_examples, self.seed, epoch, self.shuffle).clone()
 
     def global_indices(self, step: int) -> torch.Tensor:
         epoch, batch = self.position(step)
         start = batch * self.global_batch
-        return self.order(epoch)[start : start + self.global_batch]
+        return _epoch_order(self.num_examples, self.seed, epoch, self.shuffle)[start : start + self.global_batch].clone()
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The example order of one epoch, computed once per epoch rather than once per step (a permutation
+    of a million examples takes tens of milliseconds). Callers get copies, never this tensor."""
+    if not shuffle:
+        return torch.arange(num_examples)
+    gen = torch.Generator().manual_seed(seed * _EPOCH_STRIDE + epoch)
+    return torch.randperm(num_examples, generator=gen)
 
 
 @dataclass(frozen=True)
