@@ -43,3 +43,9 @@ class WorkerError(PolytrainError):
     """A worker process failed; the message names its rank and error."""
 
     exit_code = 1
+
+
+class CommunicationError(PolytrainError):
+    """A collective did not complete: a peer did not arrive within the timeout."""
+
+    exit_code = 1

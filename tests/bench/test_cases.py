@@ -8,16 +8,17 @@ from polytrain.bench.cases import BenchConfig, describe, interleaved, plan
 from polytrain.errors import ConfigError
 
 
-def test_plan_compares_the_same_per_worker_batch_four_ways():
+def test_plan_compares_the_same_per_worker_batch_six_ways():
     cases = plan(BenchConfig(workers=3, worker_batch_size=16), cores=4)
-    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "ddp", "no_exchange"]
+    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "sync_gloo", "ddp", "no_exchange"]
     by_key = {c.key: c for c in cases}
     assert (by_key["single_1t"].workers, by_key["single_1t"].threads, by_key["single_1t"].global_batch) == (1, 1, 16)
     assert (by_key["single_all"].threads, by_key["single_all"].global_batch) == (4, 48)
-    for key in ("sync", "ddp", "no_exchange"):
+    for key in ("sync", "sync_gloo", "ddp", "no_exchange"):
         assert (by_key[key].workers, by_key[key].threads, by_key[key].global_batch) == (3, 1, 48)
     assert by_key["ddp"].runner == "ddp" and by_key["sync"].runner == "polytrain"
     assert by_key["ddp"].exchange and not by_key["no_exchange"].exchange
+    assert (by_key["sync"].comm, by_key["sync_gloo"].comm) == ("auto", "backend")
     text = describe(BenchConfig(), cases)
     assert "single_all" in text and "3x1" in text
 
@@ -25,13 +26,14 @@ def test_plan_compares_the_same_per_worker_batch_four_ways():
 def test_interleaved_runs_every_case_once_per_repeat_starting_one_later_each_time():
     cases = plan(BenchConfig(), cores=2)
     order = interleaved(cases, 3)
-    assert len(order) == 15
+    n = len(cases)
+    assert len(order) == 3 * n
     assert Counter(c.key for _, c in order) == {c.key: 3 for c in cases}
-    firsts = [order[i * 5][1].key for i in range(3)]
+    firsts = [order[i * n][1].key for i in range(3)]
     assert firsts == ["single_1t", "single_all", "sync"]
     for repeat in range(3):
-        assert {c.key for r, c in order[repeat * 5:(repeat + 1) * 5]} == {c.key for c in cases}
-        assert all(r == repeat for r, _ in order[repeat * 5:(repeat + 1) * 5])
+        assert {c.key for r, c in order[repeat * n:(repeat + 1) * n]} == {c.key for c in cases}
+        assert all(r == repeat for r, _ in order[repeat * n:(repeat + 1) * n])
 
 
 @pytest.mark.parametrize("settings, message", [

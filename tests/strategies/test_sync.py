@@ -46,13 +46,13 @@ def _final_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_all_cases(ctx, bundle):
+def _train_all_cases(ctx, bundle, comm):
     out = []
     for case in CASES:
-        trainer = Trainer(_config("sync", *case), ctx.topology, data=bundle)
+        trainer = Trainer(_config("sync", *case, comm=comm), ctx.topology, data=bundle)
         trainer.fit()
         out.append(_final_params(trainer))
-    return out
+    return out, trainer.s.strategy.describe()
 
 
 def _relative_error(a: dict, b: dict) -> float:
@@ -72,11 +72,16 @@ def reference():
     return bundle, refs
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_sync_matches_single_on_the_global_batch(reference, workers):
+@pytest.mark.parametrize("workers, comm, through", [
+    (2, "backend", "the process group's all-reduce"),  # gloo
+    (2, "shm", "shared memory"),
+    (4, "auto", "shared memory"),
+])
+def test_sync_matches_single_on_the_global_batch(reference, workers, comm, through):
     bundle, refs = reference
-    results = spawn(_train_all_cases, workers, bundle)
-    for rank_result in results:  # every replica ends identical to the reference
+    results = spawn(_train_all_cases, workers, bundle, comm)
+    for rank_result, described in results:  # every replica ends identical to the reference
+        assert f"gradients averaged through {through}" in described
         for case, got, want in zip(CASES, rank_result, refs):
             err = _relative_error(got, want)
             assert err <= 1e-5, f"{workers} workers, case {case}: relative error {err:.2e}"

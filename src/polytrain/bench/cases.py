@@ -47,7 +47,8 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Case:
     """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script);
-    ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling)."""
+    ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling); ``comm`` is
+    polytrain's ``--comm`` (shared memory or the process group's all-reduce)."""
 
     key: str
     label: str
@@ -57,6 +58,7 @@ class Case:
     threads: int
     global_batch: int
     exchange: bool = True
+    comm: str = "auto"
 
     @property
     def layout(self) -> str:
@@ -71,6 +73,8 @@ def plan(cfg: BenchConfig, cores: int | None = None) -> list[Case]:
         Case("single_1t", "polytrain single, 1 thread", "polytrain", "single", 1, 1, b),
         Case("single_all", f"polytrain single, all {cores} cores", "polytrain", "single", 1, cores, n * b),
         Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b),
+        Case("sync_gloo", f"polytrain sync --comm backend (gloo), {n} x 1", "polytrain", "sync", n, 1, n * b,
+             comm="backend"),
         Case("ddp", f"plain PyTorch DDP, {n} workers x 1 thread", "ddp", "sync", n, 1, n * b),
         Case("no_exchange", f"{n} workers x 1 thread, no exchange (ceiling)", "ddp", "sync", n, 1, n * b,
              exchange=False),

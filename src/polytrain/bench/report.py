@@ -22,7 +22,11 @@ from polytrain.dist.launch import available_cores
 #: (key, description, numerator case, denominator case, workers factor on the denominator, target)
 RATIOS = (
     ("sync_vs_ddp", "polytrain sync / plain DDP", "sync", "ddp", False, 0.98),
+    ("sync_gloo_vs_ddp", "polytrain sync --comm backend / plain DDP (both gloo)", "sync_gloo", "ddp", False,
+     None),
     ("sync_weak_scaling", "weak scaling: sync N / (N x single 1 thread)", "sync", "single_1t", True, 0.90),
+    ("sync_gloo_weak_scaling", "weak scaling: sync --comm backend N / (N x single 1 thread)", "sync_gloo",
+     "single_1t", True, None),
     ("ddp_weak_scaling", "weak scaling: DDP N / (N x single 1 thread)", "ddp", "single_1t", True, None),
     ("ceiling_weak_scaling", "weak scaling without any exchange (the ceiling)", "no_exchange", "single_1t", True,
      None),

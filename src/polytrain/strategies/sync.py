@@ -5,6 +5,9 @@ equal), then all-reduces gradients in buckets while backward is still running. E
 mean loss of its equal slice of the global batch and DDP averages the gradients, which equals the gradient
 of the mean loss over the whole global batch: one identical update everywhere, the same as ``single``
 on the full batch.
+
+CPU workers on one machine average through shared memory (``polytrain.dist.shm``) instead of gloo's
+loopback TCP unless ``--comm backend`` is given; the choice and its reason are logged at start.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.data.batches import Shard
+from polytrain.dist.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
 from polytrain.options import option
 from polytrain.strategies.base import Strategy, register_strategy
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
+
+
+COMM_CHOICES = ("auto", "shm", "backend")
 
 
 @dataclass
@@ -31,6 +38,9 @@ class SyncConfig:
     sync_batchnorm: bool = option(False, "sync: BatchNorm statistics over the global batch (SyncBatchNorm)")
     bucket_mb: float = option(25.0, "sync: gradient all-reduce bucket size in MiB", minimum=0.1, metavar="MB")
     find_unused_parameters: bool = option(False, "sync: allow parameters that get no gradient in a step")
+    comm: str = option("auto", "sync: how gradients are averaged: shm (shared memory between CPU workers on "
+                               "one machine), backend (the process group's all-reduce: gloo or NCCL), or auto "
+                               "(shm where it applies)", choices=COMM_CHOICES)
 
 
 @register_strategy
@@ -44,6 +54,8 @@ class SyncDataParallel(Strategy):
         super().__init__(topology, options or SyncConfig())
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
+        self._exchange: SharedMemoryAllReduce | None = None
+        self._comm_plan: ShmPlan | None = None
 
     @classmethod
     def check(cls, workers: int, global_batch: int, accumulate: int) -> None:
@@ -72,8 +84,29 @@ class SyncDataParallel(Strategy):
             bucket_cap_mb=opts.bucket_mb,
             find_unused_parameters=opts.find_unused_parameters,
         )
-        ddp.register_comm_hook(self, _timed_allreduce)
+        self._exchange = self._open_exchange(model)
+        ddp.register_comm_hook(self, _shm_allreduce if self._exchange else _timed_allreduce)
         return ddp
+
+    def _open_exchange(self, model: nn.Module) -> SharedMemoryAllReduce | None:
+        """Shared memory for the gradients where the user allows it and it applies; a collective."""
+        if self.options.comm == "backend":
+            self._comm_plan = ShmPlan(False, "--comm backend")
+            return None
+        largest = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._comm_plan = gather_plan(self.topology, largest)
+        if not self._comm_plan.use:
+            if self.options.comm == "shm":
+                raise ConfigError(f"--comm shm cannot be used: {self._comm_plan.reason}; "
+                                  "pass --comm backend or auto")
+            return None
+        return SharedMemoryAllReduce.open(self.topology, self._comm_plan.chunk_bytes)
+
+    def describe(self) -> str:
+        text = super().describe()
+        if self._comm_plan is not None:
+            text += f", gradients averaged through {self._comm_plan.describe()}"
+        return text
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -100,3 +133,11 @@ def _timed_allreduce(state, bucket):  # unannotated: DDP rejects annotations oth
     """DDP's default all-reduce (average), noting when this rank's bucket was ready."""
     state._last_bucket_ready = time.perf_counter()
     return default_hooks.allreduce_hook(state.topology.group, bucket)
+
+
+def _shm_allreduce(state, bucket):  # unannotated, as above
+    """Average the bucket through shared memory; done when it returns, so the future is already set."""
+    state._last_bucket_ready = time.perf_counter()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(state._exchange.average_(bucket.buffer()))
+    return done

@@ -1,0 +1,212 @@
+"""All-reduce through shared memory, for worker processes on one machine.
+
+gloo moves every byte through loopback TCP: the kernel copies it into a socket and out again, and gloo's
+own threads compete with the workers for the cores. Workers on one machine can instead map the same
+memory. Each all-reduce goes through one chunk-sized window at a time, in three phases:
+
+1. every rank copies its chunk into its own input slot; barrier;
+2. rank r sums the r-th share of every input slot, in rank order, into the shared output; barrier;
+3. every rank copies the whole output back.
+
+Each element is summed by one rank in one fixed order, so all ranks get bitwise the same result, and each
+rank reads and writes about three times the tensor's size whatever the number of ranks. Phase 1 of the next
+chunk may start while a slower rank still copies out (phase 3): inputs are no longer read by then, and the
+output is only written again after everyone has passed the next barrier, so one window suffices.
+
+Barriers are one counter per rank in the mapping, each on its own cache lines. A waiting rank yields the
+CPU, then sleeps in short slices, and after the timeout raises an error naming the ranks that never came.
+The file lives in /dev/shm and is unlinked as soon as every rank has mapped it, so a killed job leaves
+nothing behind.
+
+Memory order: a rank writes its data, then its counter; a peer reads the counter, then the data. x86-64
+keeps stores in program order and loads in program order (TSO), which is all this needs. Weaker machines
+(ARM) would need fences that Python cannot issue, so the transport is only offered on x86-64 Linux.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polytrain.errors import CommunicationError, ConfigError
+
+SHM_DIR = "/dev/shm"
+DEFAULT_CHUNK_BYTES = 8 << 20
+_COUNTER_STRIDE = 16  # int64s per counter: 128 bytes, so no two ranks' counters share a cache line pair
+_HEADER_BYTES = 4096
+_ALIGN = 64  # share boundaries, in elements, so each rank's share starts vector-aligned
+_SPIN_SECONDS = 2e-4  # yield this long before sleeping: most waits are a slower peer finishing a copy
+_SLEEP_SECONDS = 1e-4
+
+
+@dataclass(frozen=True)
+class ShmPlan:
+    """Whether gradients go through shared memory, and why not if they do not. Pure data: printable, testable."""
+
+    use: bool
+    reason: str  # why not, when ``use`` is False
+    chunk_bytes: int = 0
+
+    def describe(self) -> str:
+        return "shared memory" if self.use else f"the process group's all-reduce ({self.reason})"
+
+
+def region_bytes(world_size: int, chunk_bytes: int) -> int:
+    """Bytes of the mapping: counters, one input slot per rank, one output."""
+    return _HEADER_BYTES + (world_size + 1) * chunk_bytes
+
+
+def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[str], largest_bytes: int,
+             free_bytes: int | None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShmPlan:
+    """Decide from facts gathered on every rank; every rank gets the same facts, so the same answer."""
+    world = len(machine_ids)
+    if world < 2:
+        return ShmPlan(False, "one process: nothing to exchange")
+    if device_type != "cpu":
+        return ShmPlan(False, f"workers run on {device_type}; shared memory is for CPU workers")
+    if system != "Linux" or machine.lower() not in ("x86_64", "amd64"):
+        return ShmPlan(False, f"shared-memory exchange needs x86-64 Linux; this is {machine} {system}")
+    if len(set(machine_ids)) > 1:
+        return ShmPlan(False, f"the {world} workers run on {len(set(machine_ids))} machines")
+    if free_bytes is None:
+        return ShmPlan(False, f"{SHM_DIR} is not available")
+    chunk = _round_up(max(min(chunk_bytes, largest_bytes), 4096), 4096)
+    while chunk > (256 << 10) and region_bytes(world, chunk) > free_bytes // 2:
+        chunk //= 2  # a small /dev/shm (containers default to 64 MB) still works, in more rounds
+    need = region_bytes(world, chunk)
+    if need > free_bytes // 2:
+        return ShmPlan(False, f"{SHM_DIR} has {free_bytes >> 20} MiB free and {world} workers need "
+                              f"{need >> 20} MiB; enlarge it (docker run --shm-size=1g)")
+    return ShmPlan(True, "", chunk)
+
+
+def machine_id() -> str:
+    """Equal for two processes exactly when they run on the same machine since the same boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def gather_plan(topology: Any, largest_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShmPlan:
+    """Every rank states its machine; all ranks then decide alike (a collective: call it on every rank)."""
+    facts = topology.all_gather_object((machine_id(), shm_free_bytes()))
+    frees = [free for _, free in facts]
+    return plan_shm(device_type=topology.device.type, machine=platform.machine(), system=platform.system(),
+                    machine_ids=[mid for mid, _ in facts], largest_bytes=largest_bytes,
+                    free_bytes=None if None in frees else min(frees), chunk_bytes=chunk_bytes)
+
+
+class SharedMemoryAllReduce:
+    """In-place sum or average of CPU tensors over the ranks of one machine. Every rank must make the same calls."""
+
+    def __init__(self, mapping: torch.Tensor, rank: int, world_size: int, chunk_bytes: int, timeout_s: float):
+        self.rank, self.world_size, self.chunk_bytes, self.timeout_s = rank, world_size, chunk_bytes, timeout_s
+        counters = mapping[:_HEADER_BYTES].view(torch.int64)
+        self._arrived = counters[: world_size * _COUNTER_STRIDE].view(world_size, _COUNTER_STRIDE)[:, 0]
+        slots = mapping[_HEADER_BYTES:region_bytes(world_size, chunk_bytes)]
+        self._inputs = slots[: world_size * chunk_bytes].view(world_size, chunk_bytes)
+        self._output = slots[world_size * chunk_bytes:]
+        self._barriers = 0
+        self.path = ""  # the file it was mapped from, unlinked once every rank had mapped it
+        self._mapping = mapping  # keeps the pages mapped
+
+    @classmethod
+    def open(cls, topology: Any, chunk_bytes: int) -> "SharedMemoryAllReduce":
+        """Create (rank 0) and map (every rank) the region; a collective."""
+        size = region_bytes(topology.world_size, chunk_bytes)
+        path = None
+        if topology.rank == 0:
+            fd, path = tempfile.mkstemp(prefix="polytrain-allreduce-", dir=SHM_DIR)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        path = topology.broadcast_object(path)
+        try:
+            mapping = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            problem = None
+        except (OSError, RuntimeError) as exc:
+            mapping, problem = None, f"rank {topology.rank} cannot map {path}: {exc}"
+        problems = [p for p in topology.all_gather_object(problem) if p]  # everyone has mapped or failed
+        if topology.rank == 0:
+            os.unlink(path)
+        if problems:
+            raise ConfigError(f"shared-memory gradient exchange failed: {problems[0]}; pass --comm backend")
+        exchange = cls(mapping, topology.rank, topology.world_size, chunk_bytes, topology.timeout.total_seconds())
+        exchange.path = path
+        return exchange
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, average=False)
+
+    def average_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, average=True)
+
+    def _all_reduce(self, tensor: torch.Tensor, average: bool) -> torch.Tensor:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"shared-memory all-reduce takes contiguous CPU tensors, got {tensor.device} "
+                             f"{'contiguous' if tensor.is_contiguous() else 'strided'}")
+        flat = tensor.view(-1)
+        per_chunk = self.chunk_bytes // flat.element_size()
+        inputs, output = self._inputs.view(flat.dtype), self._output.view(flat.dtype)
+        for start in range(0, flat.numel(), per_chunk):
+            part = flat[start:start + per_chunk]
+            count = part.numel()
+            inputs[self.rank, :count].copy_(part)
+            self._barrier()
+            lo, hi = self._share(count)
+            if hi > lo:
+                out = output[lo:hi]
+                torch.add(inputs[0, lo:hi], inputs[1, lo:hi], out=out)
+                for r in range(2, self.world_size):
+                    out.add_(inputs[r, lo:hi])
+                if average:
+                    out.div_(self.world_size)
+            self._barrier()
+            part.copy_(output[:count])
+        return tensor
+
+    def _share(self, count: int) -> tuple[int, int]:
+        step = _round_up(-(-count // self.world_size), _ALIGN)
+        lo = min(self.rank * step, count)
+        return lo, min(lo + step, count)
+
+    def _barrier(self) -> None:
+        self._barriers += 1
+        target = self._barriers
+        self._arrived[self.rank] = target
+        if int(self._arrived.min()) >= target:
+            return
+        start = time.monotonic()
+        while int(self._arrived.min()) < target:
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                late = [r for r, n in enumerate(self._arrived.tolist()) if n < target]
+                raise CommunicationError(
+                    f"rank {self.rank}: rank(s) {', '.join(map(str, late))} did not reach shared-memory "
+                    f"all-reduce barrier {target} within {self.timeout_s:g} s (raise --timeout if a step "
+                    "really takes this long)")
+            if waited < _SPIN_SECONDS:
+                os.sched_yield()
+            else:
+                time.sleep(_SLEEP_SECONDS)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

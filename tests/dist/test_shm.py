@@ -1,0 +1,104 @@
+"""The shared-memory all-reduce against sums computed in one process, and its decision plan."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from polytrain.dist.shm import SHM_DIR, SharedMemoryAllReduce, gather_plan, plan_shm, region_bytes
+from polytrain.errors import CommunicationError
+from tests.helpers.spawn import spawn
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
+
+# (numel, dtype): below, equal to and above one chunk, with ragged tails and several dtypes
+CASES = [(1, torch.float32), (1000, torch.float32), (4096, torch.float32), (10_007, torch.float32),
+         (3_001, torch.float64), (5_000, torch.bfloat16), (777, torch.int64)]
+CHUNK = 16 << 10  # small, so the larger cases take several rounds through the window
+
+
+def _contribution(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=gen, dtype=dtype)
+
+
+def _expected_sum(world: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    total = _contribution(0, numel, dtype) + _contribution(1, numel, dtype)
+    for rank in range(2, world):
+        total += _contribution(rank, numel, dtype)  # rank order, in the tensor's own dtype
+    return total
+
+
+def _reduce_all_cases(ctx):
+    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    sums = [exchange.sum_(_contribution(ctx.rank, n, d)) for n, d in CASES]
+    means = [exchange.average_(_contribution(ctx.rank, n, torch.float32)) for n in (10, 9_999)]
+    # the first sum passed a barrier that rank 0 reaches after unlinking: nothing is left in /dev/shm
+    return os.path.exists(exchange.path), sums, means
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sums_equal_the_rank_order_sum_bitwise_on_every_rank(world):
+    results = spawn(_reduce_all_cases, world)
+    for file_left, sums, means in results:
+        assert not file_left
+        for (numel, dtype), got in zip(CASES, sums):
+            assert got.dtype == dtype
+            assert torch.equal(got, _expected_sum(world, numel, dtype)), (world, numel, dtype)
+        for numel, got in zip((10, 9_999), means):
+            assert torch.equal(got, _expected_sum(world, numel, torch.float32) / world)
+
+
+def _rank1_never_comes(ctx):
+    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    exchange.timeout_s = 1.0
+    if ctx.rank == 1:
+        time.sleep(4)
+        return None
+    started = time.monotonic()
+    with pytest.raises(CommunicationError) as err:
+        exchange.sum_(torch.ones(10))
+    return str(err.value), time.monotonic() - started
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_timeout():
+    message, waited = spawn(_rank1_never_comes, 2)[0]
+    assert "rank(s) 1 did not reach" in message and "--timeout" in message
+    assert 1.0 <= waited < 3.0
+
+
+def _plans(ctx):
+    return gather_plan(ctx.topology, largest_bytes=1 << 20)
+
+
+def test_workers_on_one_machine_agree_to_use_shared_memory():
+    plans = spawn(_plans, 2)
+    assert plans[0] == plans[1]
+    assert plans[0].use and plans[0].chunk_bytes == 1 << 20
+
+
+def _plan(**overrides):
+    facts = dict(device_type="cpu", machine="x86_64", system="Linux", machine_ids=["a", "a"],
+                 largest_bytes=4 << 20, free_bytes=1 << 30)
+    return plan_shm(**{**facts, **overrides})
+
+
+def test_plan_uses_shared_memory_only_where_it_applies():
+    assert _plan().use and _plan().chunk_bytes == 4 << 20
+    assert _plan(largest_bytes=100 << 20).chunk_bytes == 8 << 20  # bigger tensors go in several rounds
+    assert "one process" in _plan(machine_ids=["a"]).reason
+    assert "cuda" in _plan(device_type="cuda").reason
+    assert "x86-64" in _plan(machine="aarch64").reason
+    assert "x86-64" in _plan(system="Darwin").reason
+    assert "2 machines" in _plan(machine_ids=["a", "b", "a"]).reason
+    assert "not available" in _plan(free_bytes=None).reason
+
+
+def test_a_small_dev_shm_shrinks_the_window_or_explains_the_fix():
+    small = _plan(machine_ids=["a"] * 8, free_bytes=64 << 20, largest_bytes=100 << 20)
+    assert small.use and region_bytes(8, small.chunk_bytes) <= 32 << 20
+    full = _plan(free_bytes=1 << 20)
+    assert not full.use and "--shm-size" in full.reason
