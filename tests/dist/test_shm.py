@@ -102,3 +102,38 @@ def test_a_small_dev_shm_shrinks_the_window_or_explains_the_fix():
     assert small.use and region_bytes(8, small.chunk_bytes) <= 32 << 20
     full = _plan(free_bytes=1 << 20)
     assert not full.use and "--shm-size" in full.reason
+
+
+def _in_background(ctx):
+    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    inputs = [_contribution(ctx.rank, n, torch.float32) for n in (10_007, 3, 4096)]
+    futures = [exchange.start_average(t) for t in inputs]  # queued at once, served in order
+    results = [f.wait() for f in futures]
+    assert all(r is t for r, t in zip(results, inputs))  # averaged in place
+    return results
+
+
+def test_background_averages_are_served_in_order_and_equal_the_mean():
+    for results in spawn(_in_background, 2):
+        for numel, got in zip((10_007, 3, 4096), results):
+            assert torch.equal(got, _expected_sum(2, numel, torch.float32) / 2)
+
+
+def _background_peer_never_comes(ctx):
+    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    exchange.timeout_s = 1.0
+    if ctx.rank == 1:
+        time.sleep(3)
+        return None
+    first, second = exchange.start_average(torch.ones(10)), exchange.start_average(torch.ones(10))
+    errors = []
+    for future in (first, second):
+        with pytest.raises(CommunicationError) as err:
+            future.wait()
+        errors.append(str(err.value))
+    return errors
+
+
+def test_a_background_timeout_fails_this_and_every_later_future():
+    first, second = spawn(_background_peer_never_comes, 2)[0]
+    assert "rank(s) 1 did not reach" in first and second == first

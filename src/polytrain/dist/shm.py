@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
 import socket
 import tempfile
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +45,8 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 _COUNTER_STRIDE = 16  # int64s per counter: 128 bytes, so no two ranks' counters share a cache line pair
 _HEADER_BYTES = 4096
 _ALIGN = 64  # share boundaries, in elements, so each rank's share starts vector-aligned
-_SPIN_SECONDS = 2e-4  # yield this long before sleeping: most waits are a slower peer finishing a copy
-_SLEEP_SECONDS = 1e-4
+_SPIN_SECONDS = 5e-5  # yield this long before sleeping: most waits are a slower peer finishing a copy
+_SLEEP_SECONDS = 5e-5
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class SharedMemoryAllReduce:
         self._inputs = slots[: world_size * chunk_bytes].view(world_size, chunk_bytes)
         self._output = slots[world_size * chunk_bytes:]
         self._barriers = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self.path = ""  # the file it was mapped from, unlinked once every rank had mapped it
         self._mapping = mapping  # keeps the pages mapped
 
@@ -157,6 +163,32 @@ class SharedMemoryAllReduce:
 
     def average_(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(tensor, average=True)
+
+    def start_average(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Average ``tensor`` in place on this object's own thread; the future completes with it.
+
+        The caller keeps computing meanwhile (DDP: the rest of backward), and waits only when it needs the
+        result. Calls are served in the order they were made, which must be the same on every rank.
+        """
+        done: torch.futures.Future = torch.futures.Future()
+        if self._thread is None:
+            # the thread holds only a weak reference, and stops when this object is collected
+            self._thread = threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)),
+                                            name="polytrain-shm-allreduce", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
+        self._queue.put((tensor, done))
+        return done
+
+    def _serve_one(self, tensor: torch.Tensor, done: torch.futures.Future) -> None:
+        if self._failure is not None:  # the ranks are out of step for good: fail the rest at once
+            done.set_exception(self._failure)
+            return
+        try:
+            done.set_result(self._all_reduce(tensor, average=True))
+        except BaseException as exc:  # handed to whoever waits on the future
+            self._failure = exc
+            done.set_exception(exc)
 
     def _all_reduce(self, tensor: torch.Tensor, average: bool) -> torch.Tensor:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -206,6 +238,15 @@ class SharedMemoryAllReduce:
                 os.sched_yield()
             else:
                 time.sleep(_SLEEP_SECONDS)
+
+
+def _serve(requests: queue.SimpleQueue, exchange_ref: "weakref.ref[SharedMemoryAllReduce]") -> None:
+    while (item := requests.get()) is not None:
+        exchange = exchange_ref()
+        if exchange is None:
+            return
+        exchange._serve_one(*item)
+        del exchange, item  # hold no reference while idle
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -136,8 +136,6 @@ def _timed_allreduce(state, bucket):  # unannotated: DDP rejects annotations oth
 
 
 def _shm_allreduce(state, bucket):  # unannotated, as above
-    """Average the bucket through shared memory; done when it returns, so the future is already set."""
+    """Average the bucket through shared memory on the exchange's thread, while backward goes on."""
     state._last_bucket_ready = time.perf_counter()
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(state._exchange.average_(bucket.buffer()))
-    return done
+    return state._exchange.start_average(bucket.buffer())
