@@ -90,3 +90,21 @@ def test_sync_matches_single_on_the_global_batch(reference, workers, comm, throu
     for case, ref in zip(CASES, refs):
         initial = _final_params(Trainer(_config("single", *case), Topology(), data=bundle))
         assert _relative_error(initial, ref) > 1e-3, f"case {case} barely trained"
+
+
+def _without_dev_shm(ctx, bundle, comm):
+    import polytrain.dist.shm as shm
+
+    shm.SHM_DIR = "/nonexistent-shm"  # as on a machine without /dev/shm
+    trainer = Trainer(_config("sync", "mlp", "sgd", 1, comm=comm), ctx.topology, data=bundle)
+    return trainer.s.strategy.describe()
+
+
+def test_without_shared_memory_auto_uses_the_backend_and_says_why_and_shm_refuses(reference):
+    bundle, _ = reference
+    described = spawn(_without_dev_shm, 2, bundle, "auto")[0]
+    assert "gradients averaged through the process group's all-reduce (/nonexistent-shm is not available)" \
+        in described
+    with pytest.raises(Exception, match="--comm shm cannot be used: /nonexistent-shm is not available; "
+                                        "pass --comm backend or auto"):
+        spawn(_without_dev_shm, 2, bundle, "shm")
