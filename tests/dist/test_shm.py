@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polytrain.dist.shm import SHM_DIR, SharedMemoryAllReduce, gather_plan, plan_shm, region_bytes
-from polytrain.errors import CommunicationError
+from polytrain.errors import CommunicationError, ConfigError
 from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
@@ -137,3 +137,18 @@ def _background_peer_never_comes(ctx):
 def test_a_background_timeout_fails_this_and_every_later_future():
     first, second = spawn(_background_peer_never_comes, 2)[0]
     assert "rank(s) 1 did not reach" in first and second == first
+
+
+def _open_in_missing_dir(ctx):
+    import polytrain.dist.shm as shm
+
+    shm.SHM_DIR = "/nonexistent-shm"
+    with pytest.raises(ConfigError) as err:
+        SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    return str(err.value)
+
+
+def test_a_file_rank_0_cannot_create_fails_every_rank_at_once_with_the_reason():
+    for message in spawn(_open_in_missing_dir, 2, timeout=60):
+        assert "rank 0 cannot create" in message and "/nonexistent-shm" in message
+        assert "--comm backend" in message

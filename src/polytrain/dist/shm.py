@@ -118,7 +118,12 @@ def gather_plan(topology: Any, largest_bytes: int, chunk_bytes: int = DEFAULT_CH
 
 
 class SharedMemoryAllReduce:
-    """In-place sum or average of CPU tensors over the ranks of one machine. Every rank must make the same calls."""
+    """In-place sum or average of CPU tensors over the ranks of one machine.
+
+    Every rank must make the same calls in the same order. Use either the direct calls (``sum_``,
+    ``average_``) or the background ones (``start_average``) on one object, not both at once: the background
+    thread and the caller would race for the same window.
+    """
 
     def __init__(self, mapping: torch.Tensor, rank: int, world_size: int, chunk_bytes: int, timeout_s: float):
         self.rank, self.world_size, self.chunk_bytes, self.timeout_s = rank, world_size, chunk_bytes, timeout_s
@@ -138,12 +143,17 @@ class SharedMemoryAllReduce:
     def open(cls, topology: Any, chunk_bytes: int) -> "SharedMemoryAllReduce":
         """Create (rank 0) and map (every rank) the region; a collective."""
         size = region_bytes(topology.world_size, chunk_bytes)
-        path = None
+        path: str | None = None
         if topology.rank == 0:
-            fd, path = tempfile.mkstemp(prefix="polytrain-allreduce-", dir=SHM_DIR)
-            os.ftruncate(fd, size)
-            os.close(fd)
+            try:
+                fd, path = tempfile.mkstemp(prefix="polytrain-allreduce-", dir=SHM_DIR)
+                os.ftruncate(fd, size)
+                os.close(fd)
+            except OSError as exc:  # told to the others through the broadcast, so nobody waits for it
+                path = f"!rank 0 cannot create a {size >> 20} MiB file in {SHM_DIR}: {exc.strerror}"
         path = topology.broadcast_object(path)
+        if path.startswith("!"):
+            raise ConfigError(f"shared-memory gradient exchange failed: {path[1:]}; pass --comm backend")
         try:
             mapping = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             problem = None
@@ -192,8 +202,8 @@ class SharedMemoryAllReduce:
 
     def _all_reduce(self, tensor: torch.Tensor, average: bool) -> torch.Tensor:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"shared-memory all-reduce takes contiguous CPU tensors, got {tensor.device} "
-                             f"{'contiguous' if tensor.is_contiguous() else 'strided'}")
+            raise ValueError(f"shared-memory all-reduce takes contiguous CPU tensors, got a "
+                             f"{'contiguous' if tensor.is_contiguous() else 'strided'} tensor on {tensor.device}")
         flat = tensor.view(-1)
         per_chunk = self.chunk_bytes // flat.element_size()
         inputs, output = self._inputs.view(flat.dtype), self._output.view(flat.dtype)
