@@ -52,11 +52,18 @@ def test_sums_equal_the_rank_order_sum_bitwise_on_every_rank(world):
             assert torch.equal(got, _expected_sum(world, numel, torch.float32) / world)
 
 
-def _rank1_never_comes(ctx):
+def _open_while_rank_1_stays_away(ctx, away_s):
+    """Rank 0's exchange, with a 1 s timeout; rank 1 maps it too, then sleeps ``away_s`` and gets None."""
     exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
     exchange.timeout_s = 1.0
     if ctx.rank == 1:
-        time.sleep(4)
+        time.sleep(away_s)
+        return None
+    return exchange
+
+
+def _rank1_never_comes(ctx):
+    if (exchange := _open_while_rank_1_stays_away(ctx, 4)) is None:
         return None
     started = time.monotonic()
     with pytest.raises(CommunicationError) as err:
@@ -120,10 +127,7 @@ def test_background_averages_are_served_in_order_and_equal_the_mean():
 
 
 def _background_peer_never_comes(ctx):
-    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
-    exchange.timeout_s = 1.0
-    if ctx.rank == 1:
-        time.sleep(3)
+    if (exchange := _open_while_rank_1_stays_away(ctx, 3)) is None:
         return None
     first, second = exchange.start_average(torch.ones(10)), exchange.start_average(torch.ones(10))
     errors = []
