@@ -6,6 +6,8 @@ Works on 24×24 crops (the tutorial's distorted inputs) and on full 32×32 image
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from torch import nn
 
 
@@ -19,15 +21,16 @@ def cifar_cnn(input_shape: tuple[int, ...] = (3, 24, 24), num_classes: int = 10,
         raise ValueError(f"cifar_cnn needs image inputs CxHxW, got shape {input_shape}")
     c, h, w = input_shape
     flat = channels * _pooled(_pooled(h)) * _pooled(_pooled(w))
-    return nn.Sequential(
-        nn.Sequential(
+    # named parts, so that placement can say --place features=cuda:0,classifier=cuda:1
+    return nn.Sequential(OrderedDict(
+        features=nn.Sequential(
             nn.Conv2d(c, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
             nn.Conv2d(channels, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
         ),
-        nn.Sequential(
+        classifier=nn.Sequential(
             nn.Flatten(),
             nn.Linear(flat, 384), nn.ReLU(),
             nn.Linear(384, 192), nn.ReLU(),
             nn.Linear(192, num_classes),
         ),
-    )
+    ))
