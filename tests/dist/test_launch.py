@@ -41,6 +41,12 @@ def _in_process(ctx):
     return ctx.rank, ctx.world_size, os.getpid()
 
 
+def test_without_workers_the_device_spec_sets_the_count():
+    assert [r["world"] for r in launch(_whoami, 0, device="cpu:2", timeout=60)] == [2, 2]
+    result, = launch(_in_process)  # no count anywhere: one worker, in this process
+    assert result == (0, 1, os.getpid())
+
+
 def _fail_on_rank_one(ctx):
     if ctx.rank == 1:
         raise RuntimeError("boom on purpose")

@@ -150,14 +150,16 @@ def resolve_backend(backend: str, device: str, *, soft: bool = False) -> str:
     return default_backend(resolve_device(device, local_rank=0, soft=soft, log=QUIET))
 
 
-def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: str = "cpu",
+def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None, device: str = "cpu",
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
            soft_placement: bool = False) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
-    ``device`` is resolved in each worker for its local rank; with ``soft_placement`` an unavailable
-    device falls back (to another GPU or the CPU) with a warning instead of failing.
+    ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
+    an ``int`` is taken as given, a string is read like ``--workers``. ``device`` is resolved in each worker
+    for its local rank; with ``soft_placement`` an unavailable device falls back (to another GPU or the
+    CPU) with a warning instead of failing.
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
@@ -168,6 +170,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str = 1, device: s
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
+    if workers is None:
+        named = parse_device(device).workers
+        workers = 1 if named is None else named
     count = resolve_workers(workers, device)
     if count == 1:
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
