@@ -123,17 +123,15 @@ class Trainer:
         self._save_model()
         return self._summary(step, totals, last_interval_loss, last_eval)
 
-    def _mean_over_ranks(self, value: float) -> float:
-        total = self.topology.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.topology.device))
-        return total.item() / self.topology.world_size
-
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
         s, topo = self.s, self.topology
-        rank_rates = topo.all_gather_object(round(meter.busy_examples_per_sec(), 2))
+        # one collective per log point for both: each rank's rate, and its loss to average
+        per_rank = topo.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_loss))
+        rank_rates = [rate for rate, _ in per_rank]
         return {
             "step": step,
             "epoch": round(step / s.plan.steps_per_epoch, 4),
-            "loss": self._mean_over_ranks(meter.mean_loss),  # every rank ran the same steps of the interval
+            "loss": sum(loss for _, loss in per_rank) / len(per_rank),  # every rank ran the interval's steps
             "lr": lr,
             "examples_per_sec": round(meter.examples_per_sec() * s.shard.count, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
