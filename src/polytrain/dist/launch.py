@@ -110,18 +110,21 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-def resolve_workers(workers: str | int, device: str) -> int:
+def resolve_workers(workers: str | int | None, device: str) -> int:
     """The number of local workers: ``--workers`` and what the device spec says about it.
 
     ``auto`` -> one worker per listed or visible GPU (CUDA devices), else per CPU core. A device spec
     that names its workers (``cpu:4``, ``cuda:0,1``) sets the count; an explicit ``--workers`` other than
-    the default that disagrees with it is an error. An ``int`` is a count the caller already decided.
+    the default that disagrees with it is an error. An ``int`` is a count the caller already decided;
+    ``None`` (nothing given, from Python) is the device spec's count, else 1.
     """
     if isinstance(workers, int):
         if workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {workers}")
         return workers
     spec = parse_device(device)
+    if workers is None:
+        return 1 if spec.workers is None else spec.workers
     if spec.workers is not None:
         if workers in ("auto", str(spec.workers), _DEFAULT_WORKERS):
             return spec.workers
@@ -170,9 +173,6 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
-    if workers is None:
-        named = parse_device(device).workers
-        workers = 1 if named is None else named
     count = resolve_workers(workers, device)
     if count == 1:
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
