@@ -48,7 +48,8 @@ class BatchPlan:
     def global_indices(self, step: int) -> torch.Tensor:
         epoch, batch = self.position(step)
         start = batch * self.global_batch
-        return _epoch_order(self.num_examples, self.seed, epoch, self.shuffle)[start : start + self.global_batch].clone()
+        order = _epoch_order(self.num_examples, self.seed, epoch, self.shuffle)
+        return order[start : start + self.global_batch].clone()
 
 
 @functools.lru_cache(maxsize=2)

@@ -93,8 +93,8 @@ class SyncDataParallel(Strategy):
         if self.options.comm == "backend":
             self._comm_plan = ShmPlan(False, "--comm backend")
             return None
-        largest = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        self._comm_plan = gather_plan(self.topology, largest)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._comm_plan = gather_plan(self.topology, grad_bytes)  # no bucket is larger than all gradients
         if not self._comm_plan.use:
             if self.options.comm == "shm":
                 raise ConfigError(f"--comm shm cannot be used: {self._comm_plan.reason}; "

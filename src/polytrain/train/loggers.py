@@ -3,8 +3,9 @@ metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with 
 
 The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
 ``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec``,
-``sec_per_batch``, ``rank_examples_per_sec``, ``time_s``: wall seconds since the loop began, ...), ``eval``
-(``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``, ``eval_accuracy``, ``wall_s``, ...).
+``sec_per_batch``, ``rank_examples_per_sec``, ``time_s``: wall seconds since the loop began, ...),
+``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
+``eval_accuracy``, ``wall_s``, ...).
 """
 
 from __future__ import annotations
