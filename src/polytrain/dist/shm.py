@@ -14,7 +14,8 @@ chunk may start while a slower rank still copies out (phase 3): inputs are no lo
 output is only written again after everyone has passed the next barrier, so one window suffices.
 
 Barriers are one counter per rank in the mapping, each on its own cache lines. A waiting rank yields the
-CPU, then sleeps in short slices, and after the timeout raises an error naming the ranks that never came.
+CPU briefly, then sleeps on the late rank's counter (a futex: no CPU used while waiting, woken as soon as the
+counter moves), and after the timeout raises an error naming the ranks that never came.
 The file lives in /dev/shm and is unlinked as soon as every rank has mapped it, so a killed job leaves
 nothing behind.
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from polytrain.dist import futex
 from polytrain.errors import CommunicationError, ConfigError
 
 SHM_DIR = "/dev/shm"
@@ -46,7 +48,7 @@ _COUNTER_STRIDE = 16  # int64s per counter: 128 bytes, so no two ranks' counters
 _HEADER_BYTES = 4096
 _ALIGN = 64  # share boundaries, in elements, so each rank's share starts vector-aligned
 _SPIN_SECONDS = 5e-5  # yield this long before sleeping: most waits are a slower peer finishing a copy
-_SLEEP_SECONDS = 5e-5
+_SLEEP_SECONDS = 5e-5  # polling interval where futexes are unavailable
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,9 @@ class SharedMemoryAllReduce:
         self._inputs = slots[: world_size * chunk_bytes].view(world_size, chunk_bytes)
         self._output = slots[world_size * chunk_bytes:]
         self._barriers = 0
+        # the low 32 bits of each counter (little-endian) are the word a waiter sleeps on
+        self._counter_addresses = [self._arrived[r].data_ptr() for r in range(world_size)]
+        self._use_futex = futex.available()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -233,19 +238,25 @@ class SharedMemoryAllReduce:
         self._barriers += 1
         target = self._barriers
         self._arrived[self.rank] = target
-        if int(self._arrived.min()) >= target:
-            return
-        start = time.monotonic()
-        while int(self._arrived.min()) < target:
-            waited = time.monotonic() - start
-            if waited > self.timeout_s:
-                late = [r for r, n in enumerate(self._arrived.tolist()) if n < target]
+        if self._use_futex:
+            futex.wake(self._counter_addresses[self.rank])
+        start = None
+        while True:
+            counts = self._arrived.tolist()
+            late = [r for r, n in enumerate(counts) if n < target]
+            if not late:
+                return
+            now = time.monotonic()
+            start = now if start is None else start
+            if now - start > self.timeout_s:
                 raise CommunicationError(
                     f"rank {self.rank}: rank(s) {', '.join(map(str, late))} did not reach shared-memory "
                     f"all-reduce barrier {target} within {self.timeout_s:g} s (raise --timeout if a step "
                     "really takes this long)")
-            if waited < _SPIN_SECONDS:
+            if now - start < _SPIN_SECONDS:
                 os.sched_yield()
+            elif self._use_futex:
+                futex.wait(self._counter_addresses[late[0]], counts[late[0]], start + self.timeout_s - now)
             else:
                 time.sleep(_SLEEP_SECONDS)
 
