@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from polytrain.devices.host_memory import describe_host_memory
 from polytrain.dist.launch import launch
 from polytrain.dist.rendezvous import StoreServer
 from polytrain.errors import ConfigError, DataError, WorkerError
@@ -21,7 +22,7 @@ def _whoami(ctx, offset):
     t = torch.tensor([float(ctx.rank + offset)])
     dist.all_reduce(t, group=ctx.topology.group)
     return {"rank": ctx.rank, "world": ctx.world_size, "device": str(ctx.device), "sum": t.item(),
-            "threads": torch.get_num_threads(), "pid": os.getpid()}
+            "threads": torch.get_num_threads(), "pid": os.getpid(), "host_memory": describe_host_memory()}
 
 
 def test_results_come_back_in_rank_order():
@@ -30,6 +31,7 @@ def test_results_come_back_in_rank_order():
     assert all(r["world"] == 3 and r["sum"] == 33.0 and r["device"] == "cpu" and r["threads"] == 1
                for r in results)
     assert len({r["pid"] for r in results}) == 3 and os.getpid() not in {r["pid"] for r in results}
+    assert all("kept for reuse" in r["host_memory"] for r in results)  # the default, in every worker
 
 
 def test_one_worker_runs_in_process():
@@ -42,7 +44,9 @@ def _in_process(ctx):
 
 
 def test_without_workers_the_device_spec_sets_the_count():
-    assert [r["world"] for r in launch(_whoami, 0, device="cpu:2", timeout=60)] == [2, 2]
+    results = launch(_whoami, 0, device="cpu:2", timeout=60, host_memory="release")
+    assert [r["world"] for r in results] == [2, 2]
+    assert all("returned to the system" in r["host_memory"] for r in results)
     result, = launch(_in_process)  # no count anywhere: one worker, in this process
     assert result == (0, 1, os.getpid())
 

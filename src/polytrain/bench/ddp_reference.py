@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.data.batches import BatchPlan, Shard
 from polytrain.data.registry import build_data
+from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.dist.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
 
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
+    p.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES, default="release",
+                   help="freed tensor memory: release (glibc's default, what a plain script gets) or cache "
+                        "(kept for reuse, as polytrain does by default)")
     p.add_argument("--result", required=True, help="JSON file for rank 0's measurement")
     p.add_argument("--save-model", help="write the final state_dict here")
     p.add_argument("--no-sync", action="store_true",
@@ -60,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
+    set_host_memory(args.host_memory)
     torch.set_num_threads(args.threads)
     timeout = timedelta(seconds=args.timeout)
     store = dist.FileStore(store_path, args.workers)

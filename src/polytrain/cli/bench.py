@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 DESCRIPTION = """\
-Measure examples/sec of the same training steps (model, data, per-worker batch) run six ways: polytrain
+Measure examples/sec of the same training steps (model, data, per-worker batch) run seven ways: polytrain
 single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (its default
---comm, and again over the process group's all-reduce with --comm backend), a plain hand-written PyTorch DDP
-script with N workers x 1 thread, and that script with no gradient exchange at all (the most any
-data-parallel method can reach on this machine). Each case is timed after a warm-up, all cases
+--comm, again over the process group's all-reduce with --comm backend, and again with --host-memory
+release), a plain hand-written PyTorch DDP script with N workers x 1 thread, and that script with no
+gradient exchange at all (the most any data-parallel method can reach on this machine). Every case but
+the release one runs with the same --host-memory, the DDP script included. Each case is timed after a warm-up, all cases
 are repeated in interleaved order and the medians are compared: polytrain sync / DDP, and weak-scaling
 efficiency = sync N / (N x single 1 thread). Ratios are what to read: absolute numbers drift on a shared
 machine, ratios taken in the same run much less."""
@@ -26,6 +27,7 @@ QUICK = {"data": "synthetic:shape=3x24x24,size=256,test_size=0", "worker_batch_s
 
 def add_parser(sub: Any) -> None:
     from polytrain.bench.cases import BenchConfig
+    from polytrain.devices.host_memory import HOST_MEMORY_CHOICES
 
     d = BenchConfig()
     parser = sub.add_parser("bench", help="compare the throughput of single, sync and plain PyTorch DDP",
@@ -42,6 +44,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--lr", type=float, help=f"SGD learning rate (default: {d.lr})")
     parser.add_argument("--seed", type=int, help=f"seed (default: {d.seed})")
     parser.add_argument("--timeout", type=float, metavar="S", help=f"collective timeout (default: {d.timeout:g})")
+    parser.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES,
+                        help=f"freed tensor memory in every case, the DDP script's too (default: {d.host_memory})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny data and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
     parser.add_argument("--plan", action="store_true", help="print the cases that would run and exit")

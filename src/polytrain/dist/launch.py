@@ -19,7 +19,7 @@ import os
 import pickle
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.dist.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
 from polytrain.dist.supervisor import describe_exception, send_report, stop_all, supervise
@@ -55,6 +56,9 @@ class LaunchConfig:
     master_port: int | None = option(None, "port of the local rendezvous on 127.0.0.1 (default: a free one)",
                                      minimum=0, metavar="PORT")
     log_all_ranks: bool = option(False, "every rank logs, prefixed [rank N] (default: rank 0 only)")
+    host_memory: str = option("cache", "freed CPU tensor memory: cache (kept for reuse, as on GPUs: no page "
+                              "faults per step) or release (returned to the system, glibc's default)",
+                              choices=HOST_MEMORY_CHOICES)
 
 
 _DEFAULT_WORKERS = LaunchConfig.workers  # a device spec naming its workers (cpu:4) overrides this default
@@ -94,9 +98,10 @@ class _Job:
     backend: str
     timeout_s: float
     threads: int
-    store_port: int
+    store_port: int  # set once the store listens
     log_all_ranks: bool
     soft_placement: bool = False
+    host_memory: str = "cache"
 
 
 def available_cores() -> int:
@@ -156,29 +161,33 @@ def resolve_backend(backend: str, device: str, *, soft: bool = False) -> str:
 def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None, device: str = "cpu",
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
-           soft_placement: bool = False) -> list[Any]:
+           soft_placement: bool = False, host_memory: str = "cache") -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
     an ``int`` is taken as given, a string is read like ``--workers``. ``device`` is resolved in each worker
     for its local rank; with ``soft_placement`` an unavailable device falls back (to another GPU or the
-    CPU) with a warning instead of failing.
+    CPU) with a warning instead of failing. ``host_memory`` is how each worker's malloc treats freed tensor
+    memory (``cache``: kept for reuse; ``release``: glibc's default), see :mod:`polytrain.devices.host_memory`.
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
     ``if __name__ == "__main__":``, as with any spawned process.
     """
     if under_torchrun():
+        set_host_memory(host_memory)
         return [_join_torchrun(fn, args, device, backend, timeout, soft_placement)]
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
     count = resolve_workers(workers, device)
     if count == 1:
+        set_host_memory(host_memory)
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
-    return _spawn(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
-                  threads_per_worker or max(1, available_cores() // count), master_port, log_all_ranks,
-                  soft_placement)
+    job = _Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
+               threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
+               host_memory)
+    return _spawn(job, master_port)
 
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
@@ -189,17 +198,15 @@ def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, 
     return fn(WorkerContext(Topology(device=resolve_device(device, soft=soft_placement))), *args)
 
 
-def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], count: int, device: str, backend: str,
-           timeout: float, threads: int, master_port: int | None, log_all_ranks: bool,
-           soft_placement: bool = False) -> list[Any]:
-    _check_devices(count, device, backend)
-    server = StoreServer(timedelta(seconds=timeout), "127.0.0.1", master_port or 0)
-    job = _Job(fn, args, count, device, backend, timeout, threads, server.port, log_all_ranks, soft_placement)
+def _spawn(job: "_Job", master_port: int | None) -> list[Any]:
+    _check_devices(job.world_size, job.device, job.backend)
+    server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
+    job = replace(job, store_port=server.port)
     ctx = mp.get_context("spawn")
     processes, conns = [], []
     try:
-        with _worker_environment(threads), _script_not_rerun(job):
-            for rank in range(count):
+        with _worker_environment(job.threads), _script_not_rerun(job):
+            for rank in range(job.world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
                 proc.start()
@@ -278,6 +285,7 @@ def _die_with_parent() -> None:
 def _worker_main(job: _Job, rank: int, conn: Any) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
+    set_host_memory(job.host_memory)
     torch.set_num_threads(job.threads)
     setup_logging(rank, job.world_size, all_ranks=job.log_all_ranks)
     try:

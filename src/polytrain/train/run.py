@@ -72,7 +72,7 @@ def run(config: "RunConfig", *, model: nn.Module | None = None,
         workers=processes, device=config.device.device, backend=config.launch.backend,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
-        soft_placement=config.device.soft_placement,
+        soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None

@@ -18,6 +18,7 @@ from torch import nn
 
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import BatchPlan, Shard
+from polytrain.devices.host_memory import describe_host_memory
 from polytrain.devices.placement import model_devices
 from polytrain.devices.runtime import DeviceRuntime
 from polytrain.dist.topology import Topology
@@ -99,6 +100,7 @@ class Session:
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
             f"optimizer {cfg.optim.optimizer}, lr {self.schedule.base_lr:g}, schedule {self.schedule}",
+            f"process: {torch.get_num_threads()} CPU thread(s) per worker, {describe_host_memory()}",
         ]
         return "\n".join(lines)
 

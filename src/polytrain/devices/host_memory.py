@@ -1,0 +1,72 @@
+"""CPU memory for tensors: ``--host-memory cache`` keeps freed blocks for reuse, like PyTorch's CUDA allocator.
+
+PyTorch allocates CPU tensors with the C library's malloc. glibc gives large freed blocks back to the
+operating system (``munmap``, and trimming the top of its heap). A training step allocates the same
+activations and gradients every time, so it pays for fresh pages every time. The kernel zeroes each
+4 KiB page on first touch, one page fault at a time, and in a virtual machine the hypervisor may take
+part in each fault. Measured on a 2-vCPU VM training the CIFAR CNN (batch 64, 1 thread): 5,000-9,000
+page faults per step with glibc's defaults, none with ``cache``, and steps about 20% faster. The faults
+are also uneven from step to step, which costs synchronous data parallel twice: every step waits for
+the slowest worker.
+
+``cache`` sets glibc's mmap threshold to 32 MiB (the most its own sliding threshold ever reaches) and
+turns off trimming. After the first steps, the same memory is reused without faults, and the process
+keeps its peak memory, as the CUDA caching allocator does. Blocks over 32 MiB still come from the system
+each time: at that size the compute per byte hides the cost. ``release`` keeps glibc's defaults.
+
+This is process-wide C library state. It is applied once per worker process by the launcher, and only
+where it can be: glibc, and no other malloc preloaded (jemalloc and tcmalloc are tuned by their own
+environment variables).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+HOST_MEMORY_CHOICES = ("cache", "release")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+_MMAP_THRESHOLD = 32 << 20
+_NO_TRIM = 2**31 - 1  # mallopt takes a C int: trim only when 2 GiB lie unused at the top of the heap
+_OTHER_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
+
+_state = {"applied": "release", "why": "glibc's default"}  # this process's malloc, as set_host_memory left it
+
+
+def set_host_memory(mode: str) -> str:
+    """Make this process's malloc ``cache`` or ``release`` freed memory; return what took effect, in words."""
+    if mode not in HOST_MEMORY_CHOICES:
+        raise ValueError(f"host memory mode must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {mode!r}")
+    if mode == "release":
+        return describe_host_memory()  # glibc cannot go back to its sliding threshold; nothing to undo here
+    blocker = _why_not_glibc()
+    if blocker:
+        _state.update(applied="release", why=blocker)
+    elif _mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, _NO_TRIM):
+        _state.update(applied="cache", why="")
+    else:
+        _state.update(applied="release", why="glibc refused the settings")
+    return describe_host_memory()
+
+
+def describe_host_memory() -> str:
+    if _state["applied"] == "cache":
+        return "freed tensor memory kept for reuse (--host-memory cache)"
+    return f"freed tensor memory returned to the system ({_state['why']})"
+
+
+def _why_not_glibc() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    other = next((name for name in _OTHER_MALLOCS if name in preload), None)
+    if other:
+        return f"{other} is preloaded and has its own settings"
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return "not glibc: no mallopt to tune"
+    return ""
+
+
+def _mallopt(param: int, value: int) -> bool:
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(param, value) == 1
