@@ -8,22 +8,17 @@ from polytrain.bench.cases import BenchConfig, describe, interleaved, plan
 from polytrain.errors import ConfigError
 
 
-def test_plan_compares_the_same_per_worker_batch_seven_ways():
-    cfg = BenchConfig(workers=3, worker_batch_size=16)
-    cases = plan(cfg, cores=4)
-    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "sync_gloo", "sync_release", "ddp",
-                                      "no_exchange"]
+def test_plan_compares_the_same_per_worker_batch_six_ways():
+    cases = plan(BenchConfig(workers=3, worker_batch_size=16), cores=4)
+    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "sync_gloo", "ddp", "no_exchange"]
     by_key = {c.key: c for c in cases}
     assert (by_key["single_1t"].workers, by_key["single_1t"].threads, by_key["single_1t"].global_batch) == (1, 1, 16)
     assert (by_key["single_all"].threads, by_key["single_all"].global_batch) == (4, 48)
-    for key in ("sync", "sync_gloo", "sync_release", "ddp", "no_exchange"):
+    for key in ("sync", "sync_gloo", "ddp", "no_exchange"):
         assert (by_key[key].workers, by_key[key].threads, by_key[key].global_batch) == (3, 1, 48)
     assert by_key["ddp"].runner == "ddp" and by_key["sync"].runner == "polytrain"
     assert by_key["ddp"].exchange and not by_key["no_exchange"].exchange
     assert (by_key["sync"].comm, by_key["sync_gloo"].comm) == ("auto", "backend")
-    # one host-memory setting for all, the DDP script's included, but the case that shows what it is worth
-    assert {c.key: c.host_memory_in(cfg) for c in cases if c.host_memory_in(cfg) != "cache"} == {
-        "sync_release": "release"}
     text = describe(BenchConfig(), cases)
     assert "single_all" in text and "3x1" in text
 

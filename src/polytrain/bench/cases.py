@@ -28,7 +28,7 @@ class BenchConfig:
     momentum: float = 0.9
     seed: int = 0
     timeout: float = 300.0
-    host_memory: str = "cache"  # every case but sync_release, the DDP script's included: like for like
+    host_memory: str = "cache"  # in every case, the DDP script's included: like for like
 
     def check(self) -> None:
         """Raise ConfigError naming the bad setting before anything starts."""
@@ -53,8 +53,7 @@ class BenchConfig:
 class Case:
     """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script);
     ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling); ``comm`` is
-    polytrain's ``--comm`` (shared memory or the process group's all-reduce); ``host_memory`` overrides
-    the run's ``--host-memory``."""
+    polytrain's ``--comm`` (shared memory or the process group's all-reduce)."""
 
     key: str
     label: str
@@ -65,10 +64,6 @@ class Case:
     global_batch: int
     exchange: bool = True
     comm: str = "auto"
-    host_memory: str | None = None
-
-    def host_memory_in(self, cfg: BenchConfig) -> str:
-        return self.host_memory or cfg.host_memory
 
     @property
     def layout(self) -> str:
@@ -85,8 +80,6 @@ def plan(cfg: BenchConfig, cores: int | None = None) -> list[Case]:
         Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b),
         Case("sync_gloo", f"polytrain sync --comm backend (gloo), {n} x 1", "polytrain", "sync", n, 1, n * b,
              comm="backend"),
-        Case("sync_release", f"polytrain sync --host-memory release, {n} x 1", "polytrain", "sync", n, 1, n * b,
-             host_memory="release"),
         Case("ddp", f"plain PyTorch DDP, {n} workers x 1 thread", "ddp", "sync", n, 1, n * b),
         Case("no_exchange", f"{n} workers x 1 thread, no exchange (ceiling)", "ddp", "sync", n, 1, n * b,
              exchange=False),
@@ -107,7 +100,8 @@ def describe(cfg: BenchConfig, cases: list[Case]) -> str:
     lines = [f"model {cfg.model}, data {cfg.data}, {cfg.worker_batch_size} examples per worker per step, "
              f"{cfg.warmup} warm-up + {cfg.steps} timed steps, {cfg.repeats} interleaved repeat(s), "
              f"--host-memory {cfg.host_memory}"]
+    key_width = max(len(case.key) for case in cases)
     for case in cases:
-        lines.append(f"  {case.key:<11} {case.label:<46} workers x threads {case.layout:<5} "
+        lines.append(f"  {case.key:<{key_width}} {case.label:<46} workers x threads {case.layout:<5} "
                      f"global batch {case.global_batch}")
     return "\n".join(lines)

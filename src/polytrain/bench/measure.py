@@ -44,7 +44,7 @@ def run_polytrain(case: Case, cfg: BenchConfig, repeat: int, workdir: Path) -> M
     fit(model=cfg.model, data=cfg.data, strategy=case.strategy, workers=str(case.workers),
         threads_per_worker=case.threads, batch_size=case.global_batch, steps=cfg.warmup + cfg.steps,
         optimizer="sgd", lr=cfg.lr, momentum=cfg.momentum, seed=cfg.seed, device="cpu", timeout=cfg.timeout,
-        comm=case.comm, host_memory=case.host_memory_in(cfg),
+        comm=case.comm, host_memory=cfg.host_memory,
         log_every=cfg.warmup, eval_every=0, histogram_every=0, progress="off", metrics_file=str(metrics))
     return window_from_metrics(case, repeat, metrics, cfg.warmup, cfg.warmup + cfg.steps)
 
@@ -68,7 +68,7 @@ def ddp_command(case: Case, cfg: BenchConfig, result: Path, save_model: Path | N
            "--worker-batch-size", str(case.global_batch // case.workers), "--warmup", str(cfg.warmup),
            "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--momentum", str(cfg.momentum),
            "--seed", str(cfg.seed), "--timeout", str(cfg.timeout), "--result", str(result),
-           "--host-memory", case.host_memory_in(cfg)]
+           "--host-memory", cfg.host_memory]
     cmd += [] if case.exchange else ["--no-sync"]
     return cmd + (["--save-model", str(save_model)] if save_model else [])
 

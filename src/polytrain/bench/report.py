@@ -31,7 +31,6 @@ RATIOS = (
     ("ceiling_weak_scaling", "weak scaling without any exchange (the ceiling)", "no_exchange", "single_1t", True,
      None),
     ("sync_vs_ceiling", "sync N / the same N workers without exchange", "sync", "no_exchange", False, None),
-    ("host_memory_gain", "sync --host-memory cache / release", "sync", "sync_release", False, None),
     ("sync_vs_single_all", "sync N x 1 thread / single with all cores", "sync", "single_all", False, None),
 )
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 DESCRIPTION = """\
-Measure examples/sec of the same training steps (model, data, per-worker batch) run seven ways: polytrain
+Measure examples/sec of the same training steps (model, data, per-worker batch) run six ways: polytrain
 single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (its default
---comm, again over the process group's all-reduce with --comm backend, and again with --host-memory
-release), a plain hand-written PyTorch DDP script with N workers x 1 thread, and that script with no
-gradient exchange at all (the most any data-parallel method can reach on this machine). Every case but
-the release one runs with the same --host-memory, the DDP script included. Each case is timed after a warm-up, all cases
+--comm, and again over the process group's all-reduce with --comm backend), a plain hand-written PyTorch DDP
+script with N workers x 1 thread, and that script with no gradient exchange at all (the most any
+data-parallel method can reach on this machine). Every case runs with the same --host-memory, the DDP
+script included. Each case is timed after a warm-up, all cases
 are repeated in interleaved order and the medians are compared: polytrain sync / DDP, and weak-scaling
 efficiency = sync N / (N x single 1 thread). Ratios are what to read: absolute numbers drift on a shared
 machine, ratios taken in the same run much less."""

@@ -2,12 +2,11 @@
 
 PyTorch allocates CPU tensors with the C library's malloc. glibc gives large freed blocks back to the
 operating system (``munmap``, and trimming the top of its heap). A training step allocates the same
-activations and gradients every time, so it pays for fresh pages every time. The kernel zeroes each
-4 KiB page on first touch, one page fault at a time, and in a virtual machine the hypervisor may take
-part in each fault. Measured on a 2-vCPU VM training the CIFAR CNN (batch 64, 1 thread): 5,000-9,000
-page faults per step with glibc's defaults, none with ``cache``, and steps about 20% faster. The faults
-are also uneven from step to step, which costs synchronous data parallel twice: every step waits for
-the slowest worker.
+activations and gradients every time, so when they go back it pays for fresh pages every time: the kernel
+zeroes each 4 KiB page on first touch, one page fault at a time. glibc's threshold slides up after a large
+block is freed, so whether a run keeps faulting depends on what the process freed before, and varies from
+run to run. Measured on a 2-vCPU VM (CIFAR CNN, batch 64, 1 thread): about 5,000 page faults per step and
+10-20% slower steps when it does, none with ``cache``. docs/devices.md has the numbers.
 
 ``cache`` sets glibc's mmap threshold to 32 MiB (the most its own sliding threshold ever reaches) and
 turns off trimming. After the first steps, the same memory is reused without faults, and the process

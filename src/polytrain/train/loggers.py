@@ -99,7 +99,8 @@ class RunLog:
                                       f"{record['examples_per_sec']:.0f} ex/s{per_rank}", refresh=False)
         elif self.cfg.progress != "off":
             self.log.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.4g}  "
-                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch{' ' + per_rank if per_rank else ''}")
+                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch"
+                          + (f" {per_rank}" if per_rank else ""))
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
