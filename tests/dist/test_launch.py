@@ -92,6 +92,8 @@ def test_unknown_backend_and_bad_worker_counts():
         launch(_whoami, 0, workers=2, backend="mpi")
     with pytest.raises(ConfigError, match="--workers must be >= 1"):
         launch(_whoami, 0, workers=0)
+    with pytest.raises(ConfigError, match="host_memory must be one of cache, release, got 'keep'"):
+        launch(_whoami, 0, workers=2, host_memory="keep")
 
 
 TRAIN = [sys.executable, "-m", "polytrain", "train", "--data", "synthetic:shape=3x24x24,size=4096",

@@ -1,5 +1,6 @@
-"""Devices: one parser for device names, discovery, explicit placement, the placement log, soft placement
-the GPU memory cap and the CPU allocator setting. docs/devices.md is the user guide; docs/migration.md maps TensorFlow's names here.
+"""Devices: one parser for device names, discovery, explicit placement, the placement log, soft placement,
+the GPU memory cap and the CPU allocator setting. docs/devices.md is the user guide; docs/migration.md maps
+TensorFlow's names here.
 """
 
 from polytrain.devices.config import DeviceConfig, check_device_config
@@ -34,7 +35,8 @@ from polytrain.devices.spec import DeviceSpec, default_backend, parse_device, re
 
 __all__ = [
     "DeviceConfig", "DeviceInfo", "DeviceRuntime", "DeviceSpec", "OpDeviceLog", "OpRecord", "PlacementLogger", "PlacementPlan",
-    "SoftPlacementMode", "available_device_names", "check_device_config", "check_memory_fraction", "default_backend", "describe_host_memory", "device",
+    "SoftPlacementMode", "available_device_names", "check_device_config", "check_memory_fraction", "default_backend",
+    "describe_host_memory", "device",
     "device_error_for", "format_devices", "install_input_hooks", "list_devices", "log_placement",
     "model_devices", "model_input_device", "model_output_device", "module_table", "operator_errors",
     "parse_device", "place", "resolve_device", "set_gpu_memory_fraction", "set_host_memory", "usable_cores",

@@ -174,6 +174,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
     ``if __name__ == "__main__":``, as with any spawned process.
     """
+    if host_memory not in HOST_MEMORY_CHOICES:
+        raise ConfigError(f"host_memory must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {host_memory!r}")
     if under_torchrun():
         set_host_memory(host_memory)
         return [_join_torchrun(fn, args, device, backend, timeout, soft_placement)]
