@@ -52,6 +52,30 @@ def test_sums_equal_the_rank_order_sum_bitwise_on_every_rank(world):
             assert torch.equal(got, _expected_sum(world, numel, torch.float32) / world)
 
 
+def _late_rank_1(ctx, use_futex):
+    """Rank 1 comes 0.3 s late to every sum: rank 0 waits for it, sleeping on its counter or polling."""
+    exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
+    exchange._use_futex = use_futex and exchange._use_futex
+    waits = []
+    for round_ in range(3):
+        if ctx.rank == 1:
+            time.sleep(0.3)
+        started = time.monotonic()
+        got = exchange.sum_(torch.full((1000,), float(ctx.rank + round_)))
+        waits.append(time.monotonic() - started)
+        assert torch.equal(got, torch.full((1000,), float(1 + 2 * round_)))
+    return exchange._use_futex, waits
+
+
+@pytest.mark.parametrize("use_futex", [True, False])
+def test_a_waiting_rank_resumes_as_soon_as_the_late_one_arrives(use_futex):
+    (used, waits), _ = spawn(_late_rank_1, 2, use_futex)
+    if use_futex:
+        assert used, "futexes are available on x86-64 Linux, where shm runs"
+    # woken by the late rank, not by the 300 s timeout of its sleep
+    assert all(0.2 < w < 1.5 for w in waits), waits
+
+
 def _open_while_rank_1_stays_away(ctx, away_s):
     """Rank 0's exchange, with a 1 s timeout; rank 1 maps it too, then sleeps ``away_s`` and gets None."""
     exchange = SharedMemoryAllReduce.open(ctx.topology, CHUNK)
