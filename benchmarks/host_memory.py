@@ -23,16 +23,15 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from polytrain.bench.cases import BenchConfig, Case
+from polytrain.bench.cases import BenchConfig, Case, plan
 from polytrain.bench.measure import run_case
 
 MODES = ("cache", "release")
 
 
 def cases(cfg: BenchConfig) -> dict[str, Case]:
-    n, b = cfg.workers, cfg.worker_batch_size
-    return {"single_1t": Case("single_1t", "polytrain single, 1 thread", "polytrain", "single", 1, 1, b),
-            "sync": Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b)}
+    """polytrain bench's own single 1-thread and sync cases."""
+    return {case.key: case for case in plan(cfg) if case.key in ("single_1t", "sync")}
 
 
 def run_isolated(args: argparse.Namespace, key: str, mode: str, repeat: int, tmp: str) -> dict:

@@ -20,12 +20,17 @@ _FUTEX_WAKE = 1
 _WAKE_ALL = 2**31 - 1
 
 
+def is_x86_64_linux(system: str, machine: str) -> bool:
+    """Whether ``platform.system()``, ``platform.machine()`` name the one platform shm.py and this run on."""
+    return system == "Linux" and machine.lower() in ("x86_64", "amd64")
+
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def _load_syscall():
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86_64_linux(platform.system(), platform.machine()):
         return None
     try:
         syscall = ctypes.CDLL(None, use_errno=True).syscall

@@ -76,7 +76,7 @@ def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[s
         return ShmPlan(False, "one process: nothing to exchange")
     if device_type != "cpu":
         return ShmPlan(False, f"workers run on {device_type}; shared memory is for CPU workers")
-    if system != "Linux" or machine.lower() not in ("x86_64", "amd64"):
+    if not futex.is_x86_64_linux(system, machine):
         return ShmPlan(False, f"shared-memory exchange needs x86-64 Linux; this is {machine} {system}")
     if len(set(machine_ids)) > 1:
         return ShmPlan(False, f"the {world} workers run on {len(set(machine_ids))} machines")
