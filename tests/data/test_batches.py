@@ -68,3 +68,36 @@ def test_eval_batches_cover_the_shard():
     data = TensorData(torch.randn(10, 2), torch.arange(10))
     seen = [y for _, y in eval_batches(data, 3, Shard(0, 2), torch.device("cpu"))]
     assert torch.equal(torch.cat(seen), torch.arange(5))
+
+
+def test_uneven_slices_tile_the_global_batch():
+    plan = BatchPlan(64, 16, seed=1)
+    sizes = (7, 2, 5, 2)
+    parts = [Shard(i, 4, sizes).take(plan.global_indices(0)) for i in range(4)]
+    assert [len(p) for p in parts] == list(sizes)
+    assert torch.equal(torch.cat(parts), plan.global_indices(0))
+    with pytest.raises(ValueError, match=r"slices \(7, 2, 5, 1\) do not add up to the batch of 16"):
+        Shard(0, 4, (7, 2, 5, 1)).take(plan.global_indices(0))
+    with pytest.raises(ValueError, match="must be 4 numbers >= 1"):
+        Shard(0, 4, (8, 8, 0, 0))
+
+
+def test_a_per_step_shard_is_asked_when_each_batch_is_drawn():
+    n = 40
+    plan = BatchPlan(n, 8, seed=5)
+    data = TensorData(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
+    asked = []
+
+    def shard_at(step):
+        asked.append(step)
+        return Shard(0, 2, (2 + step, 6 - step))
+
+    for source in (data, _MapStyle(n)):
+        asked.clear()
+        batches = iter(ShardedBatches(source, plan, shard_at, torch.device("cpu"), start_step=1))
+        for step in (1, 2, 3):
+            got_step, _, y = next(batches)
+            assert got_step == step and asked[-1] == step  # drawn lazily: one step at a time
+            assert torch.equal(y, plan.global_indices(step)[: 2 + step])
+    with pytest.raises(ValueError, match="num_workers=0"):
+        ShardedBatches(_MapStyle(n), plan, shard_at, torch.device("cpu"), num_workers=2)

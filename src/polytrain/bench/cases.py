@@ -52,8 +52,9 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Case:
     """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script);
-    ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling); ``comm`` is
-    polytrain's ``--comm`` (shared memory or the process group's all-reduce)."""
+    ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling); ``comm`` and
+    ``balance`` are polytrain's ``--comm`` (shared memory or the process group's all-reduce) and
+    ``--balance`` (slices by measured speed, or equal ones like the DDP script's)."""
 
     key: str
     label: str
@@ -64,6 +65,7 @@ class Case:
     global_batch: int
     exchange: bool = True
     comm: str = "auto"
+    balance: str = "auto"
 
     @property
     def layout(self) -> str:
@@ -78,8 +80,10 @@ def plan(cfg: BenchConfig, cores: int | None = None) -> list[Case]:
         Case("single_1t", "polytrain single, 1 thread", "polytrain", "single", 1, 1, b),
         Case("single_all", f"polytrain single, all {cores} cores", "polytrain", "single", 1, cores, n * b),
         Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b),
-        Case("sync_gloo", f"polytrain sync --comm backend (gloo), {n} x 1", "polytrain", "sync", n, 1, n * b,
-             comm="backend"),
+        Case("sync_equal", f"polytrain sync --balance off, {n} x 1", "polytrain", "sync", n, 1, n * b,
+             balance="off"),
+        Case("sync_gloo", f"polytrain sync --comm backend --balance off, {n} x 1", "polytrain", "sync", n, 1,
+             n * b, comm="backend", balance="off"),
         Case("ddp", f"plain PyTorch DDP, {n} workers x 1 thread", "ddp", "sync", n, 1, n * b),
         Case("no_exchange", f"{n} workers x 1 thread, no exchange (ceiling)", "ddp", "sync", n, 1, n * b,
              exchange=False),
@@ -102,6 +106,6 @@ def describe(cfg: BenchConfig, cases: list[Case]) -> str:
              f"--host-memory {cfg.host_memory}"]
     key_width = max(len(case.key) for case in cases)
     for case in cases:
-        lines.append(f"  {case.key:<{key_width}} {case.label:<46} workers x threads {case.layout:<5} "
+        lines.append(f"  {case.key:<{key_width}} {case.label:<48} workers x threads {case.layout:<5} "
                      f"global batch {case.global_batch}")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ def run_polytrain(case: Case, cfg: BenchConfig, repeat: int, workdir: Path) -> M
     fit(model=cfg.model, data=cfg.data, strategy=case.strategy, workers=str(case.workers),
         threads_per_worker=case.threads, batch_size=case.global_batch, steps=cfg.warmup + cfg.steps,
         optimizer="sgd", lr=cfg.lr, momentum=cfg.momentum, seed=cfg.seed, device="cpu", timeout=cfg.timeout,
-        comm=case.comm, host_memory=cfg.host_memory,
+        comm=case.comm, balance=case.balance, host_memory=cfg.host_memory,
         log_every=cfg.warmup, eval_every=0, histogram_every=0, progress="off", metrics_file=str(metrics))
     return window_from_metrics(case, repeat, metrics, cfg.warmup, cfg.warmup + cfg.steps)
 

@@ -22,10 +22,14 @@ from polytrain.dist.launch import available_cores
 #: (key, description, numerator case, denominator case, workers factor on the denominator, target)
 RATIOS = (
     ("sync_vs_ddp", "polytrain sync / plain DDP", "sync", "ddp", False, 0.98),
-    ("sync_gloo_vs_ddp", "polytrain sync --comm backend / plain DDP (both gloo)", "sync_gloo", "ddp", False,
-     None),
+    ("sync_gloo_vs_ddp", "polytrain sync --comm backend --balance off / plain DDP (like for like)", "sync_gloo",
+     "ddp", False, None),
+    ("balanced_vs_equal", "polytrain sync / sync --balance off (what balancing gains)", "sync", "sync_equal",
+     False, None),
     ("sync_weak_scaling", "weak scaling: sync N / (N x single 1 thread)", "sync", "single_1t", True, 0.90),
-    ("sync_gloo_weak_scaling", "weak scaling: sync --comm backend N / (N x single 1 thread)", "sync_gloo",
+    ("sync_equal_weak_scaling", "weak scaling: sync --balance off N / (N x single 1 thread)", "sync_equal",
+     "single_1t", True, None),
+    ("sync_gloo_weak_scaling", "weak scaling: sync --comm backend --balance off", "sync_gloo",
      "single_1t", True, None),
     ("ddp_weak_scaling", "weak scaling: DDP N / (N x single 1 thread)", "ddp", "single_1t", True, None),
     ("ceiling_weak_scaling", "weak scaling without any exchange (the ceiling)", "no_exchange", "single_1t", True,
@@ -109,15 +113,17 @@ def format_text(doc: dict[str, Any]) -> str:
     lines = [f"{cfg['model']} on {cfg['data']}; {cfg['worker_batch_size']} examples per worker per step; "
              f"median of {cfg['repeats']} interleaved repeat(s) of {cfg['steps']} steps after {cfg['warmup']} "
              f"warm-up; {env['cores']} cores ({env['cpu']}), torch {env['torch']}", ""]
-    lines.append(f"{'case':<46} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
+    case_width = max(len(row["label"]) for row in doc["rows"])
+    ratio_width = max(len(ratio["label"]) for ratio in doc["ratios"])
+    lines.append(f"{'case':<{case_width}} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
     for row in doc["rows"]:
         runs = " ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
-        lines.append(f"{row['label']:<46} {row['workers']:>8} x {row['threads_per_worker']:<6} "
+        lines.append(f"{row['label']:<{case_width}} {row['workers']:>8} x {row['threads_per_worker']:<6} "
                      f"{row['global_batch']:>6} {row['examples_per_sec']:>11.1f} {row['sec_per_batch']:>8.4f}  {runs}")
     lines.append("")
     for ratio in doc["ratios"]:
         spread = f"{min(ratio['per_repeat']):.3f}-{max(ratio['per_repeat']):.3f}"
-        lines.append(f"{ratio['label']:<50} {ratio['value']:>6.3f}  ({spread:<11})  {_verdict(ratio)}".rstrip())
+        lines.append(f"{ratio['label']:<{ratio_width}} {ratio['value']:>6.3f}  ({spread:<11})  {_verdict(ratio)}".rstrip())
     return "\n".join(lines)
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 DESCRIPTION = """\
-Measure examples/sec of the same training steps (model, data, per-worker batch) run six ways: polytrain
-single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (its default
---comm, and again over the process group's all-reduce with --comm backend), a plain hand-written PyTorch DDP
+Measure examples/sec of the same training steps (model, data, per-worker batch) run seven ways: polytrain
+single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (as shipped;
+with equal slices, --balance off; and like the DDP script, over the process group's all-reduce with equal
+slices, --comm backend --balance off), a plain hand-written PyTorch DDP
 script with N workers x 1 thread, and that script with no gradient exchange at all (the most any
 data-parallel method can reach on this machine). Every case runs with the same --host-memory, the DDP
 script included. Each case is timed after a warm-up, all cases

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -64,16 +64,25 @@ def _epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool) -> tor
 
 @dataclass(frozen=True)
 class Shard:
-    """Worker ``index`` of ``count`` data-parallel workers takes the index-th equal slice of a batch."""
+    """Worker ``index`` of ``count`` data-parallel workers takes the index-th slice of a batch: an equal one,
+    or ``sizes[index]`` examples after the slices of the workers before it (a balanced, uneven split)."""
 
     index: int = 0
     count: int = 1
+    sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
             raise ValueError(f"shard index {self.index} is outside 0..{self.count - 1}")
+        if self.sizes is not None and (len(self.sizes) != self.count or min(self.sizes) < 1):
+            raise ValueError(f"slice sizes {self.sizes} must be {self.count} numbers >= 1")
 
     def take(self, items: torch.Tensor) -> torch.Tensor:
+        if self.sizes is not None:
+            if sum(self.sizes) != len(items):
+                raise ValueError(f"slices {self.sizes} do not add up to the batch of {len(items)}")
+            start = sum(self.sizes[: self.index])
+            return items[start : start + self.sizes[self.index]]
         if len(items) % self.count:
             raise ValueError(f"a batch of {len(items)} does not split evenly over {self.count} workers")
         size = len(items) // self.count
@@ -88,12 +97,12 @@ class Shard:
 class _StepSampler(Sampler[list[int]]):
     """Yields this shard's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path)."""
 
-    def __init__(self, plan: BatchPlan, shard: Shard, start: int, stop: int):
-        self.plan, self.shard, self.start, self.stop = plan, shard, start, stop
+    def __init__(self, plan: BatchPlan, shard_at: Callable[[int], Shard], start: int, stop: int):
+        self.plan, self.shard_at, self.start, self.stop = plan, shard_at, start, stop
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.stop):
-            yield self.shard.take(self.plan.global_indices(step)).tolist()
+            yield self.shard_at(step).take(self.plan.global_indices(step)).tolist()
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -103,12 +112,17 @@ class ShardedBatches:
     """This worker's batches for global steps ``start_step ..``, as ``(step, x, y)`` on ``device``.
 
     In-memory datasets with ``get_batch`` are indexed in one op; other map-style datasets go through a
-    ``DataLoader`` (``num_workers`` loader processes) fed by the same plan.
+    ``DataLoader`` (``num_workers`` loader processes) fed by the same plan. ``shard`` is this worker's
+    shard, or a function giving it for each step (a balanced split that changes as the run goes); such a
+    function is called when that step's batch is drawn, which loader processes would do steps ahead.
     """
 
-    def __init__(self, dataset: Dataset, plan: BatchPlan, shard: Shard, device: torch.device,
-                 start_step: int = 0, num_workers: int = 0):
-        self.dataset, self.plan, self.shard, self.device = dataset, plan, shard, device
+    def __init__(self, dataset: Dataset, plan: BatchPlan, shard: Shard | Callable[[int], Shard],
+                 device: torch.device, start_step: int = 0, num_workers: int = 0):
+        if callable(shard) and num_workers:
+            raise ValueError("a per-step shard needs batches drawn in this process (num_workers=0)")
+        self.shard_at = shard if callable(shard) else (lambda step: shard)
+        self.dataset, self.plan, self.device = dataset, plan, device
         self.start_step, self.num_workers = start_step, num_workers
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -120,7 +134,7 @@ class ShardedBatches:
     def _direct(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         step = self.start_step
         while True:
-            indices = self.shard.take(self.plan.global_indices(step))
+            indices = self.shard_at(step).take(self.plan.global_indices(step))
             x, y = self.dataset.get_batch(indices, self.plan.position(step)[0])
             yield step, self._to_device(x), self._to_device(y)
             step += 1
@@ -130,7 +144,7 @@ class ShardedBatches:
         per_epoch = self.plan.steps_per_epoch
         while True:
             epoch_end = (step // per_epoch + 1) * per_epoch
-            loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard, step, epoch_end),
+            loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard_at, step, epoch_end),
                                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda")
             for x, y in loader:
                 yield step, self._to_device(x), self._to_device(y)

@@ -45,7 +45,7 @@ from polytrain.errors import CommunicationError, ConfigError
 SHM_DIR = "/dev/shm"
 DEFAULT_CHUNK_BYTES = 8 << 20
 _COUNTER_STRIDE = 16  # int64s per counter: 128 bytes, so no two ranks' counters share a cache line pair
-_HEADER_BYTES = 4096
+_PAGE = 4096
 _ALIGN = 64  # share boundaries, in elements, so each rank's share starts vector-aligned
 _SPIN_SECONDS = 5e-5  # yield this long before sleeping: most waits are a slower peer finishing a copy
 _SLEEP_SECONDS = 5e-5  # polling interval where futexes are unavailable
@@ -63,9 +63,14 @@ class ShmPlan:
         return "shared memory" if self.use else f"the process group's all-reduce ({self.reason})"
 
 
+def header_bytes(world_size: int) -> int:
+    """Bytes of the counters, rounded up to whole pages (one page up to 32 ranks)."""
+    return _round_up(world_size * _COUNTER_STRIDE * 8, _PAGE)
+
+
 def region_bytes(world_size: int, chunk_bytes: int) -> int:
     """Bytes of the mapping: counters, one input slot per rank, one output."""
-    return _HEADER_BYTES + (world_size + 1) * chunk_bytes
+    return header_bytes(world_size) + (world_size + 1) * chunk_bytes
 
 
 def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[str], largest_bytes: int,
@@ -129,9 +134,10 @@ class SharedMemoryAllReduce:
 
     def __init__(self, mapping: torch.Tensor, rank: int, world_size: int, chunk_bytes: int, timeout_s: float):
         self.rank, self.world_size, self.chunk_bytes, self.timeout_s = rank, world_size, chunk_bytes, timeout_s
-        counters = mapping[:_HEADER_BYTES].view(torch.int64)
+        header = header_bytes(world_size)
+        counters = mapping[:header].view(torch.int64)
         self._arrived = counters[: world_size * _COUNTER_STRIDE].view(world_size, _COUNTER_STRIDE)[:, 0]
-        slots = mapping[_HEADER_BYTES:region_bytes(world_size, chunk_bytes)]
+        slots = mapping[header:region_bytes(world_size, chunk_bytes)]
         self._inputs = slots[: world_size * chunk_bytes].view(world_size, chunk_bytes)
         self._output = slots[world_size * chunk_bytes:]
         self._barriers = 0
@@ -185,6 +191,13 @@ class SharedMemoryAllReduce:
         The caller keeps computing meanwhile (DDP: the rest of backward), and waits only when it needs the
         result. Calls are served in the order they were made, which must be the same on every rank.
         """
+        return self._start(tensor, average=True)
+
+    def start_sum(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Like :meth:`start_average`, summing: served in the same queue, after what was started before."""
+        return self._start(tensor, average=False)
+
+    def _start(self, tensor: torch.Tensor, average: bool) -> torch.futures.Future:
         done: torch.futures.Future = torch.futures.Future()
         if self._thread is None:
             # the thread holds only a weak reference, and stops when this object is collected
@@ -192,15 +205,15 @@ class SharedMemoryAllReduce:
                                             name="polytrain-shm-allreduce", daemon=True)
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
-        self._queue.put((tensor, done))
+        self._queue.put((tensor, average, done))
         return done
 
-    def _serve_one(self, tensor: torch.Tensor, done: torch.futures.Future) -> None:
+    def _serve_one(self, tensor: torch.Tensor, average: bool, done: torch.futures.Future) -> None:
         if self._failure is not None:  # the ranks are out of step for good: fail the rest at once
             done.set_exception(self._failure)
             return
         try:
-            done.set_result(self._all_reduce(tensor, average=True))
+            done.set_result(self._all_reduce(tensor, average=average))
         except BaseException as exc:  # handed to whoever waits on the future
             self._failure = exc
             done.set_exception(exc)

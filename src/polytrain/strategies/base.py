@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from typing import Any, ClassVar, ContextManager, Iterator
+from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -49,6 +49,12 @@ class Strategy:
 
     def data_shard(self) -> Shard:
         return Shard(0, 1)
+
+    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
+                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
+        """The trainer's slices: the fixed ``data_shard()``, or a function giving each step's (a strategy that
+        re-splits batches as it goes). Called once, after ``prepare_model``."""
+        return self.data_shard()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.topology.device)

@@ -8,6 +8,10 @@ on the full batch.
 
 CPU workers on one machine average through shared memory (``polytrain.dist.shm``) instead of gloo's
 loopback TCP unless ``--comm backend`` is given; the choice and its reason are logged at start.
+
+With ``--balance`` the slices need not be equal: every step each rank reports how long its forward and
+backward took, and all ranks move examples from slow workers to fast ones alike
+(``polytrain.strategies.balance``); each rank's loss is weighted by its slice, so the update is unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -26,11 +30,13 @@ from polytrain.data.batches import Shard
 from polytrain.dist.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
 from polytrain.options import option
+from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import Strategy, register_strategy
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 COMM_CHOICES = ("auto", "shm", "backend")
+BALANCE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass
@@ -41,6 +47,11 @@ class SyncConfig:
     comm: str = option("auto", "sync: how gradients are averaged: shm (shared memory between CPU workers on "
                                "one machine), backend (the process group's all-reduce: gloo or NCCL), or auto "
                                "(shm where it applies)", choices=COMM_CHOICES)
+    balance: str = option("auto", "sync: split each global batch by the workers' measured speed, so that a "
+                                  "slow worker gets fewer examples and nobody waits (the same update, but "
+                                  "runs are no longer bitwise repeatable): on, off, or auto (on for CPU "
+                                  "workers, whose speeds drift on shared cores, unless --deterministic)",
+                          choices=BALANCE_CHOICES)
 
 
 @register_strategy
@@ -56,6 +67,11 @@ class SyncDataParallel(Strategy):
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None
         self._comm_plan: ShmPlan | None = None
+        self._balancer: Balancer | None = None
+        self._balance_note = ""
+        self._step_started: float | None = None
+        self._compute_end: float | None = None
+        self._slice = 0  # examples this rank took in the current step
 
     @classmethod
     def check(cls, workers: int, global_batch: int, accumulate: int) -> None:
@@ -106,7 +122,47 @@ class SyncDataParallel(Strategy):
         text = super().describe()
         if self._comm_plan is not None:
             text += f", gradients averaged through {self._comm_plan.describe()}"
+        if self._balance_note:
+            text += f", {self._balance_note}"
         return text
+
+    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
+                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
+        wanted, topo = self.options.balance, self.topology
+        if wanted == "off" or not topo.distributed:
+            return self.data_shard()
+        if data_workers:
+            if wanted == "on":
+                raise ConfigError(f"--balance on needs batches drawn in the workers themselves, but "
+                                  f"--data-workers {data_workers} loads them steps ahead; pass --data-workers 0 "
+                                  "or --balance off")
+            self._balance_note = f"equal slices (--data-workers {data_workers} loads batches ahead)"
+            return self.data_shard()
+        if wanted == "auto" and (deterministic or topo.device.type != "cpu"):
+            why = "--deterministic" if deterministic else f"workers on {topo.device.type}"
+            self._balance_note = f"equal slices ({why}; --balance on to balance)"
+            return self.data_shard()
+        self._balancer = Balancer(global_batch, topo.world_size, BalancePolicy(multiple=accumulate))
+        self._balance_note = "slices balanced by measured speed (--balance)"
+        return self._shard_at
+
+    def _shard_at(self, step: int) -> Shard:
+        """This rank's slice for the step about to start, after learning how the last one went everywhere."""
+        balancer, topo = self._balancer, self.topology
+        assert balancer is not None
+        if self._step_started is not None:
+            seconds = (self._compute_end or time.perf_counter()) - self._step_started
+            measured = torch.zeros(topo.world_size, 2, device=topo.device)  # float32: MPS has no float64
+            measured[topo.rank, 0] = seconds  # every other rank adds zeros: the sum is exact, the same everywhere
+            measured[topo.rank, 1] = self._slice
+            if self._exchange is not None:
+                self._exchange.start_sum(measured).wait()
+            else:
+                topo.all_reduce_sum(measured)
+            balancer.update([(t, int(n)) for t, n in measured.tolist()])
+        self._step_started, self._compute_end = time.perf_counter(), None
+        self._slice = balancer.sizes[topo.rank]
+        return Shard(topo.rank, topo.world_size, balancer.sizes)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -119,6 +175,7 @@ class SyncDataParallel(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if self._last_bucket_ready is not None:
+            self._compute_end = self._last_bucket_ready
             # from the moment this rank's last gradient bucket was ready until the averaged gradients
             # arrived, the rank was exchanging gradients or waiting for slower ranks, not computing
             self._waited += time.perf_counter() - self._last_bucket_ready

@@ -3,7 +3,8 @@ metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with 
 
 The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
 ``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec``,
-``sec_per_batch``, ``rank_examples_per_sec``, ``time_s``: wall seconds since the loop began, ...),
+``sec_per_batch``, ``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall
+seconds since the loop began, ...),
 ``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
 ``eval_accuracy``, ``wall_s``, ...).
 """
@@ -92,8 +93,10 @@ class RunLog:
             self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
             for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
                 self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
-        ranks = record.get("rank_examples_per_sec", [])
+        ranks, slices = record.get("rank_examples_per_sec", []), record.get("rank_batch", [])
         per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
+        if len(set(slices)) > 1:  # a balanced split moved examples between ranks: show how many each took
+            per_rank += " slices " + "/".join(f"{v:.4g}" for v in slices)
         if self._bar is not None:
             self._bar.set_postfix_str(f"loss {record['loss']:.4f} lr {record['lr']:.3g} "
                                       f"{record['examples_per_sec']:.0f} ex/s{per_rank}", refresh=False)

@@ -34,11 +34,16 @@ class IntervalMeter:
         return self.wall_s / max(self.steps, 1)
 
     @property
+    def mean_examples(self) -> float:
+        return self.examples / max(self.steps, 1)
+
+    @property
     def mean_loss(self) -> float:
         return self.loss_sum / max(self.steps, 1)
 
-    def examples_per_sec(self) -> float:
-        return self.examples / self.wall_s if self.wall_s > 0 else 0.0
+    def steps_per_sec(self) -> float:
+        """Steps per wall second: times the global batch, the job's examples/sec (slices may be unequal)."""
+        return self.steps / self.wall_s if self.wall_s > 0 else 0.0
 
     def busy_examples_per_sec(self) -> float:
         return self.examples / self.busy_s if self.busy_s > 0 else 0.0

@@ -61,6 +61,8 @@ class Session:
     checkpointer: Checkpointer | None
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
+    #: the trainer's slices: ``shard`` itself, or a function of the step when the strategy re-splits batches
+    step_shards: Any = None
 
     @property
     def log(self):
@@ -135,8 +137,10 @@ def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = 
     optimizer = build_optimizer(model.parameters(), config.optim, lr)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
                     if config.checkpoint.checkpoint_dir else None)
+    step_shards = strategy.step_shards(global_batch, config.train.accumulate, config.data.data_workers,
+                                       config.train.deterministic)
     session = Session(config, topology, data, strategy, shard, plan, model, get_task(data.task), optimizer,
-                      schedule, total_steps, checkpointer, devices=devices)
+                      schedule, total_steps, checkpointer, devices=devices, step_shards=step_shards)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)

@@ -73,8 +73,9 @@ class Trainer:
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
         s, cfg, topo = self.s, self.config, self.topology
-        batches = iter(ShardedBatches(s.data.train, s.plan, s.shard, topo.device, s.start_step,
+        batches = iter(ShardedBatches(s.data.train, s.plan, s.step_shards or s.shard, topo.device, s.start_step,
                                       cfg.data.data_workers))
+        equal_slice = s.plan.global_batch // s.shard.count
         meter, totals = IntervalMeter(), IntervalMeter()
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
@@ -87,7 +88,8 @@ class Trainer:
             _, inputs, targets = next(batches)
             s.optimizer.zero_grad(set_to_none=True)
             with s.devices.step_context(step):
-                local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate)
+                local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate,
+                                              equal_slice)
                 with s.devices.phase("loss"):
                     # checked here, on each rank, without a collective: the averaged gradients carry a NaN
                     # to every rank, and the first rank to see one stops the job. The average over ranks
@@ -125,17 +127,19 @@ class Trainer:
 
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
         s, topo = self.s, self.topology
-        # one collective per log point for both: each rank's rate, and its loss to average
-        per_rank = topo.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_loss))
-        rank_rates = [rate for rate, _ in per_rank]
+        # one collective per log point for all three: each rank's rate, slice and loss (to average)
+        per_rank = topo.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
+                                           meter.mean_loss))
         return {
             "step": step,
             "epoch": round(step / s.plan.steps_per_epoch, 4),
-            "loss": sum(loss for _, loss in per_rank) / len(per_rank),  # every rank ran the interval's steps
+            # every rank ran the interval's steps; a slice's loss is already weighed by its size
+            "loss": sum(loss for _, _, loss in per_rank) / len(per_rank),
             "lr": lr,
-            "examples_per_sec": round(meter.examples_per_sec() * s.shard.count, 2),
+            "examples_per_sec": round(meter.steps_per_sec() * s.plan.global_batch, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
-            "rank_examples_per_sec": rank_rates,
+            "rank_examples_per_sec": [rate for rate, _, _ in per_rank],
+            "rank_batch": [round(examples, 2) for _, examples, _ in per_rank],
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
         }
@@ -182,7 +186,7 @@ class Trainer:
             "train_loss": train_loss,
             "eval_loss": eval_loss,
             "eval_accuracy": eval_accuracy,
-            "examples_per_sec": round(totals.examples_per_sec() * s.shard.count, 2),
+            "examples_per_sec": round(totals.steps_per_sec() * s.plan.global_batch, 2),
             "rank_examples_per_sec": self.topology.all_gather_object(round(totals.busy_examples_per_sec(), 2)),
             "strategy": self.config.train.strategy,
             "workers": self.topology.world_size,
