@@ -45,14 +45,18 @@ def test_single_on_the_gpu_trains_like_single_on_the_cpu(cli_env, tmp_path):
 
 
 @pytest.mark.gpu
-def test_sync_on_cuda_tensors_equals_single_on_the_gpu(cli_env, tmp_path):
+@pytest.mark.parametrize("balance, note", [
+    ("auto", "equal slices (workers on cuda; --balance on to balance)"),
+    ("on", "slices balanced by measured speed"),
+])
+def test_sync_on_cuda_tensors_equals_single_on_the_gpu(cli_env, tmp_path, balance, note):
     """Two gloo workers on one GPU: DDP's CUDA path, averaged over gloo, against single on the same GPU."""
     single = polytrain("--strategy", "single", "--device", "cuda:0", "--save-model", str(tmp_path / "single.pt"),
                        env=cli_env)
     sync = polytrain("--strategy", "sync", "--workers", "2", "--device", "cuda:0", "--backend", "gloo",
-                     "--save-model", str(tmp_path / "sync.pt"), env=cli_env)
+                     "--balance", balance, "--save-model", str(tmp_path / "sync.pt"), env=cli_env)
     assert single.returncode == 0 and sync.returncode == 0, single.stderr + sync.stderr
-    assert "backend gloo, rank 0 on cuda:0" in sync.stdout
+    assert "backend gloo, rank 0 on cuda:0" in sync.stdout and note in sync.stdout
     errors = _relative_errors(tmp_path / "single.pt", tmp_path / "sync.pt")
     assert max(errors.values()) <= 1e-5, errors
 

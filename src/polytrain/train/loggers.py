@@ -93,6 +93,8 @@ class RunLog:
             self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
             for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
                 self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
+            for rank, value in enumerate(record.get("rank_batch", [])):
+                self._tb.add_scalar(f"perf/rank{rank}_batch", value, step)
         ranks, slices = record.get("rank_examples_per_sec", []), record.get("rank_batch", [])
         per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
         if len(set(slices)) > 1:  # a balanced split moved examples between ranks: show how many each took
