@@ -10,18 +10,18 @@ from polytrain.errors import ConfigError
 
 def test_plan_compares_the_same_per_worker_batch_seven_ways():
     cases = plan(BenchConfig(workers=3, worker_batch_size=16), cores=4)
-    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "sync_equal", "sync_gloo", "ddp",
+    assert [c.key for c in cases] == ["single_1t", "single_all", "sync", "sync_balanced", "sync_gloo", "ddp",
                                       "no_exchange"]
     by_key = {c.key: c for c in cases}
     assert (by_key["single_1t"].workers, by_key["single_1t"].threads, by_key["single_1t"].global_batch) == (1, 1, 16)
     assert (by_key["single_all"].threads, by_key["single_all"].global_batch) == (4, 48)
-    for key in ("sync", "sync_equal", "sync_gloo", "ddp", "no_exchange"):
+    for key in ("sync", "sync_balanced", "sync_gloo", "ddp", "no_exchange"):
         assert (by_key[key].workers, by_key[key].threads, by_key[key].global_batch) == (3, 1, 48)
     assert by_key["ddp"].runner == "ddp" and by_key["sync"].runner == "polytrain"
     assert by_key["ddp"].exchange and not by_key["no_exchange"].exchange
     assert (by_key["sync"].comm, by_key["sync_gloo"].comm) == ("auto", "backend")
-    # as shipped; equal slices; and like the DDP script (equal slices over the process group)
-    assert [by_key[k].balance for k in ("sync", "sync_equal", "sync_gloo")] == ["auto", "off", "off"]
+    # as shipped (equal slices, like the DDP script's), and balanced by measured speed
+    assert [by_key[k].balance for k in ("sync", "sync_balanced", "sync_gloo")] == ["off", "auto", "off"]
     text = describe(BenchConfig(), cases)
     assert "single_all" in text and "3x1" in text
 

@@ -15,7 +15,7 @@ def test_medians_and_ratios():
     cfg = BenchConfig(workers=2)
     cases = plan(cfg, cores=2)
     table = rows(cases, _measurements({"single_1t": [100, 90, 300], "single_all": [150, 160, 170],
-                                       "sync": [190, 185, 10], "sync_equal": [180, 170, 190],
+                                       "sync": [190, 185, 10], "sync_balanced": [180, 170, 190],
                                        "sync_gloo": [150, 160, 170],
                                        "ddp": [190, 200, 195],
                                        "no_exchange": [190, 190, 190]}))
@@ -34,9 +34,9 @@ def test_medians_and_ratios():
     assert ratios["ddp_weak_scaling"]["met"] is None
     assert ratios["sync_gloo_vs_ddp"]["value"] == pytest.approx(160 / 200, abs=1e-4)  # median of pairs
     assert ratios["sync_gloo_weak_scaling"]["value"] == pytest.approx(150 / 200, abs=1e-4)
-    # balanced against equal slices, paired per repeat: 190/180, 185/170, 10/190
-    assert ratios["balanced_vs_equal"]["value"] == pytest.approx(190 / 180, abs=1e-4)
-    assert ratios["sync_equal_weak_scaling"]["value"] == pytest.approx(180 / 200, abs=1e-4)
+    # balanced against equal slices, paired per repeat: 180/190, 170/185, 190/10
+    assert ratios["balanced_vs_equal"]["value"] == pytest.approx(180 / 190, abs=1e-4)
+    assert ratios["sync_balanced_weak_scaling"]["value"] == pytest.approx(180 / 200, abs=1e-4)
     assert ratios["sync_vs_single_all"]["value"] == pytest.approx(185 / 160, abs=1e-4)
     assert ratios["ceiling_weak_scaling"]["value"] == pytest.approx(190 / 200, abs=1e-4)
     assert ratios["sync_vs_ceiling"]["value"] == pytest.approx(185 / 190, abs=1e-4)

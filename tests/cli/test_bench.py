@@ -15,11 +15,11 @@ def test_quick_bench_runs_every_case_and_writes_json_and_markdown(cli_env, tmp_p
     proc = polytrain("--quick", "--markdown", "bench.md", env=cli_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "polytrain-bench.json").read_text())
-    assert [r["case"] for r in doc["rows"]] == ["single_1t", "single_all", "sync", "sync_equal", "sync_gloo",
-                                                   "ddp", "no_exchange"]
+    assert [r["case"] for r in doc["rows"]] == ["single_1t", "single_all", "sync", "sync_balanced",
+                                                   "sync_gloo", "ddp", "no_exchange"]
     assert all(r["examples_per_sec"] > 0 and len(r["runs_examples_per_sec"]) == 1 for r in doc["rows"])
     assert {r["key"] for r in doc["ratios"]} == {
-        "sync_vs_ddp", "sync_weak_scaling", "sync_gloo_vs_ddp", "balanced_vs_equal", "sync_equal_weak_scaling",
+        "sync_vs_ddp", "sync_weak_scaling", "sync_gloo_vs_ddp", "balanced_vs_equal", "sync_balanced_weak_scaling",
         "sync_gloo_weak_scaling", "ddp_weak_scaling", "ceiling_weak_scaling", "sync_vs_ceiling", "sync_vs_single_all"}
     assert doc["config"]["steps"] == 2 and doc["env"]["torch"] == __import__("torch").__version__
     assert "polytrain sync / plain DDP" in proc.stdout and "weak scaling" in proc.stdout

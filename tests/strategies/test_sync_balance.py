@@ -71,10 +71,10 @@ def _describe(ctx, bundle, settings):
 
 def test_when_balancing_is_off_and_why():
     bundle = _bundle()
-    on, off, deterministic = (spawn(_describe, 2, bundle, kw)[0] for kw in (
-        {}, {"balance": "off"}, {"deterministic": True}))
-    assert "slices balanced by measured speed (--balance)" in on
-    assert "balanced" not in off and "equal slices" not in off
+    auto, default, deterministic = (spawn(_describe, 2, bundle, kw)[0] for kw in (
+        {"balance": "auto"}, {}, {"balance": "auto", "deterministic": True}))
+    assert "slices balanced by measured speed (--balance)" in auto
+    assert "balanced" not in default and "equal slices" not in default  # off unless asked for
     assert "equal slices (--deterministic; --balance on to balance)" in deterministic
     with pytest.raises(ConfigError, match="--balance on needs batches drawn in the workers themselves"):
         spawn(_describe, 2, bundle, {"balance": "on", "data_workers": 1})

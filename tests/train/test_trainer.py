@@ -34,10 +34,8 @@ def test_same_seed_same_trajectory_other_seed_another(tmp_path):
 
 @pytest.mark.parametrize("strategy, workers", [("single", 1), ("sync", 2)])
 def test_resume_continues_the_exact_trajectory(tmp_path, strategy, workers):
-    # equal slices: a balanced split follows measured speeds, which no two runs share
-    extra = {"balance": "off"} if strategy == "sync" else {}
     common = dict(BASE, strategy=strategy, workers=workers, lr_schedule="exponential:rate=0.5,decay_steps=10",
-                  optimizer="adam", lr=0.01, **extra)
+                  optimizer="adam", lr=0.01)
     polytrain.fit(steps=30, metrics_file=str(tmp_path / "whole.jsonl"), **common)
     ckpt = str(tmp_path / "ckpt")
     polytrain.fit(steps=12, checkpoint_dir=ckpt, checkpoint_every=5, metrics_file=str(tmp_path / "part1.jsonl"),

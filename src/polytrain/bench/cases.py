@@ -54,7 +54,7 @@ class Case:
     """One way to run the training steps. ``runner`` is ``polytrain`` or ``ddp`` (the plain script);
     ``exchange=False`` runs the script without any gradient exchange (the machine's ceiling); ``comm`` and
     ``balance`` are polytrain's ``--comm`` (shared memory or the process group's all-reduce) and
-    ``--balance`` (slices by measured speed, or equal ones like the DDP script's)."""
+    ``--balance`` (equal slices like the DDP script's, or slices by measured speed)."""
 
     key: str
     label: str
@@ -65,7 +65,7 @@ class Case:
     global_batch: int
     exchange: bool = True
     comm: str = "auto"
-    balance: str = "auto"
+    balance: str = "off"
 
     @property
     def layout(self) -> str:
@@ -80,10 +80,10 @@ def plan(cfg: BenchConfig, cores: int | None = None) -> list[Case]:
         Case("single_1t", "polytrain single, 1 thread", "polytrain", "single", 1, 1, b),
         Case("single_all", f"polytrain single, all {cores} cores", "polytrain", "single", 1, cores, n * b),
         Case("sync", f"polytrain sync, {n} workers x 1 thread", "polytrain", "sync", n, 1, n * b),
-        Case("sync_equal", f"polytrain sync --balance off, {n} x 1", "polytrain", "sync", n, 1, n * b,
-             balance="off"),
-        Case("sync_gloo", f"polytrain sync --comm backend --balance off, {n} x 1", "polytrain", "sync", n, 1,
-             n * b, comm="backend", balance="off"),
+        Case("sync_balanced", f"polytrain sync --balance auto, {n} x 1", "polytrain", "sync", n, 1, n * b,
+             balance="auto"),
+        Case("sync_gloo", f"polytrain sync --comm backend (gloo), {n} x 1", "polytrain", "sync", n, 1, n * b,
+             comm="backend"),
         Case("ddp", f"plain PyTorch DDP, {n} workers x 1 thread", "ddp", "sync", n, 1, n * b),
         Case("no_exchange", f"{n} workers x 1 thread, no exchange (ceiling)", "ddp", "sync", n, 1, n * b,
              exchange=False),

@@ -22,14 +22,13 @@ from polytrain.dist.launch import available_cores
 #: (key, description, numerator case, denominator case, workers factor on the denominator, target)
 RATIOS = (
     ("sync_vs_ddp", "polytrain sync / plain DDP", "sync", "ddp", False, 0.98),
-    ("sync_gloo_vs_ddp", "polytrain sync --comm backend --balance off / plain DDP (like for like)", "sync_gloo",
-     "ddp", False, None),
-    ("balanced_vs_equal", "polytrain sync / sync --balance off (what balancing gains)", "sync", "sync_equal",
+    ("sync_gloo_vs_ddp", "polytrain sync --comm backend / plain DDP (both gloo)", "sync_gloo", "ddp", False, None),
+    ("balanced_vs_equal", "polytrain sync --balance auto / sync (what balancing gains)", "sync_balanced", "sync",
      False, None),
     ("sync_weak_scaling", "weak scaling: sync N / (N x single 1 thread)", "sync", "single_1t", True, 0.90),
-    ("sync_equal_weak_scaling", "weak scaling: sync --balance off N / (N x single 1 thread)", "sync_equal",
+    ("sync_balanced_weak_scaling", "weak scaling: sync --balance auto N / (N x single 1 thread)", "sync_balanced",
      "single_1t", True, None),
-    ("sync_gloo_weak_scaling", "weak scaling: sync --comm backend --balance off", "sync_gloo",
+    ("sync_gloo_weak_scaling", "weak scaling: sync --comm backend N / (N x single 1 thread)", "sync_gloo",
      "single_1t", True, None),
     ("ddp_weak_scaling", "weak scaling: DDP N / (N x single 1 thread)", "ddp", "single_1t", True, None),
     ("ceiling_weak_scaling", "weak scaling without any exchange (the ceiling)", "no_exchange", "single_1t", True,

@@ -12,8 +12,8 @@ from typing import Any
 DESCRIPTION = """\
 Measure examples/sec of the same training steps (model, data, per-worker batch) run seven ways: polytrain
 single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (as shipped;
-with equal slices, --balance off; and like the DDP script, over the process group's all-reduce with equal
-slices, --comm backend --balance off), a plain hand-written PyTorch DDP
+with slices balanced by measured speed, --balance auto; and over the process group's all-reduce like the
+DDP script, --comm backend), a plain hand-written PyTorch DDP
 script with N workers x 1 thread, and that script with no gradient exchange at all (the most any
 data-parallel method can reach on this machine). Every case runs with the same --host-memory, the DDP
 script included. Each case is timed after a warm-up, all cases

@@ -9,8 +9,8 @@ on the full batch.
 CPU workers on one machine average through shared memory (``polytrain.dist.shm``) instead of gloo's
 loopback TCP unless ``--comm backend`` is given; the choice and its reason are logged at start.
 
-With ``--balance`` the slices need not be equal: every step each rank reports how long its forward and
-backward took, and all ranks move examples from slow workers to fast ones alike
+With ``--balance on|auto`` the slices need not be equal: every step each rank reports how long its forward
+and backward took, and all ranks move examples from slow workers to fast ones alike
 (``polytrain.strategies.balance``); each rank's loss is weighted by its slice, so the update is unchanged.
 """
 
@@ -47,11 +47,10 @@ class SyncConfig:
     comm: str = option("auto", "sync: how gradients are averaged: shm (shared memory between CPU workers on "
                                "one machine), backend (the process group's all-reduce: gloo or NCCL), or auto "
                                "(shm where it applies)", choices=COMM_CHOICES)
-    balance: str = option("auto", "sync: split each global batch by the workers' measured speed, so that a "
-                                  "slow worker gets fewer examples and nobody waits (the same update, but "
-                                  "runs are no longer bitwise repeatable): on, off, or auto (on for CPU "
-                                  "workers, whose speeds drift on shared cores, unless --deterministic)",
-                          choices=BALANCE_CHOICES)
+    balance: str = option("off", "sync: split each global batch by the workers' measured speed, so that a "
+                                 "slow worker gets fewer examples and the others do not wait (the same update, "
+                                 "but runs are no longer bitwise repeatable): off (equal slices), on, or auto "
+                                 "(on for CPU workers, unless --deterministic)", choices=BALANCE_CHOICES)
 
 
 @register_strategy
