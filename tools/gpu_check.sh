@@ -10,7 +10,8 @@ export PYTHONPATH=$PWD/src
 PY=${PYTHON:-python3}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+                              'nccl', torch.cuda.nccl.version())"
   echo "cores: $(nproc)"
   $PY -m polytrain devices
 } > "$OUT/env.txt" 2>&1
@@ -20,7 +21,11 @@ echo "== GPU-marked tests"
 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -ra tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 
 echo "== the CLI on the GPU"
-run() { echo "\$ polytrain train $*"; timeout 300 $PY -m polytrain train "$@" 2>&1 | tail -4; echo "exit ${PIPESTATUS[0]}"; }
+run() {
+  echo "\$ polytrain train $*"
+  timeout 300 $PY -m polytrain train "$@" 2>&1 | tail -4
+  echo "exit ${PIPESTATUS[0]}"
+}
 {
   run --device cuda --strategy single --model cifar_cnn --data synthetic:shape=3x24x24,size=8192 \
       --batch-size 128 --steps 300 --eval-every 0 --progress lines --metrics-file "$OUT/single_cuda.jsonl"

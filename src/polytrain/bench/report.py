@@ -114,7 +114,8 @@ def format_text(doc: dict[str, Any]) -> str:
              f"warm-up; {env['cores']} cores ({env['cpu']}), torch {env['torch']}", ""]
     case_width = max(len(row["label"]) for row in doc["rows"])
     ratio_width = max(len(ratio["label"]) for ratio in doc["ratios"])
-    lines.append(f"{'case':<{case_width}} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} {'s/batch':>8}  runs")
+    lines.append(f"{'case':<{case_width}} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} "
+                 f"{'s/batch':>8}  runs")
     for row in doc["rows"]:
         runs = " ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
         lines.append(f"{row['label']:<{case_width}} {row['workers']:>8} x {row['threads_per_worker']:<6} "
@@ -122,7 +123,8 @@ def format_text(doc: dict[str, Any]) -> str:
     lines.append("")
     for ratio in doc["ratios"]:
         spread = f"{min(ratio['per_repeat']):.3f}-{max(ratio['per_repeat']):.3f}"
-        lines.append(f"{ratio['label']:<{ratio_width}} {ratio['value']:>6.3f}  ({spread:<11})  {_verdict(ratio)}".rstrip())
+        lines.append(f"{ratio['label']:<{ratio_width}} {ratio['value']:>6.3f}  ({spread:<11})  "
+                     f"{_verdict(ratio)}".rstrip())
     return "\n".join(lines)
 
 

@@ -113,8 +113,8 @@ class Balancer:
         return max(n * t for n, t in zip(sizes, self.per_example))
 
 
-def loss_divisor(nominal_slice: int, examples: int) -> float:
+def loss_divisor(equal_slice: int, examples: int) -> float:
     """What a micro-batch's mean loss is divided by so that ``examples`` of them weigh their share of the
     global batch, when every worker's gradient counts ``1/N`` (DDP's average) and the equal slice is
-    ``nominal_slice``. For equal slices split into K micro-batches it is exactly ``K``."""
-    return nominal_slice / examples
+    ``equal_slice``. For equal slices split into K micro-batches it is exactly ``K``."""
+    return equal_slice / examples

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -59,10 +59,10 @@ class Session:
     schedule: Schedule
     total_steps: int
     checkpointer: Checkpointer | None
+    #: the trainer's slices: ``shard`` itself, or a function of the step when the strategy re-splits batches
+    step_shards: Shard | Callable[[int], Shard]
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
-    #: the trainer's slices: ``shard`` itself, or a function of the step when the strategy re-splits batches
-    step_shards: Any = None
 
     @property
     def log(self):
@@ -140,7 +140,7 @@ def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = 
     step_shards = strategy.step_shards(global_batch, config.train.accumulate, config.data.data_workers,
                                        config.train.deterministic)
     session = Session(config, topology, data, strategy, shard, plan, model, get_task(data.task), optimizer,
-                      schedule, total_steps, checkpointer, devices=devices, step_shards=step_shards)
+                      schedule, total_steps, checkpointer, step_shards, devices=devices)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)

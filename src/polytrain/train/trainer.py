@@ -73,7 +73,7 @@ class Trainer:
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
         s, cfg, topo = self.s, self.config, self.topology
-        batches = iter(ShardedBatches(s.data.train, s.plan, s.step_shards or s.shard, topo.device, s.start_step,
+        batches = iter(ShardedBatches(s.data.train, s.plan, s.step_shards, topo.device, s.start_step,
                                       cfg.data.data_workers))
         equal_slice = s.plan.global_batch // s.shard.count
         meter, totals = IntervalMeter(), IntervalMeter()
