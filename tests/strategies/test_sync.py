@@ -108,3 +108,20 @@ def test_without_shared_memory_auto_uses_the_backend_and_says_why_and_shm_refuse
     with pytest.raises(Exception, match="--comm shm cannot be used: /nonexistent-shm is not available; "
                                         "pass --comm backend or auto"):
         spawn(_without_dev_shm, 2, bundle, "shm")
+
+
+def _bucket_sizes(ctx, bundle, bucket_mb):
+    extra = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    trainer = Trainer(_config("sync", "cifar_cnn", "sgd", 1, **extra), ctx.topology, data=bundle)
+    trainer.fit()  # DDP settles its buckets in the order gradients became ready, after the first step
+    sizes = trainer.s.model._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    return [int(size) for size in sizes.split(",")]
+
+
+def test_gradients_go_out_in_buckets_while_backward_runs_unless_one_bucket_size_is_chosen(reference):
+    bundle, _ = reference
+    classifier_bytes = 4 * (384 * 2304 + 384)  # the first weights backward reaches (CIFAR CNN at 24x24)
+    overlapped = spawn(_bucket_sizes, 2, bundle, None)[0]
+    # DDP's own layout: a bucket holding the big classifier goes out while the convolutions' backward runs
+    assert len(overlapped) >= 2 and overlapped[0] >= classifier_bytes, overlapped
+    assert spawn(_bucket_sizes, 2, bundle, 25.0)[0] == [sum(overlapped)]  # --bucket-mb 25: all in one

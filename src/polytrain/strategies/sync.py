@@ -42,7 +42,8 @@ BALANCE_CHOICES = ("auto", "on", "off")
 @dataclass
 class SyncConfig:
     sync_batchnorm: bool = option(False, "sync: BatchNorm statistics over the global batch (SyncBatchNorm)")
-    bucket_mb: float = option(25.0, "sync: gradient all-reduce bucket size in MiB", minimum=0.1, metavar="MB")
+    bucket_mb: float | None = option(None, "sync: gradient all-reduce bucket size in MiB (default: DDP's own, "
+                                           "25 MiB after a first bucket of 1 MiB)", minimum=0.1, metavar="MB")
     find_unused_parameters: bool = option(False, "sync: allow parameters that get no gradient in a step")
     comm: str = option("auto", "sync: how gradients are averaged: shm (shared memory between CPU workers on "
                                "one machine), backend (the process group's all-reduce: gloo or NCCL), or auto "
@@ -92,12 +93,15 @@ class SyncDataParallel(Strategy):
         model = model.to(topo.device)
         if not topo.distributed:
             return model  # one worker: nothing to synchronise, and DDP would need a group
+        # any bucket_cap_mb given, DDP's small first bucket goes too: with 25 a model under 25 MiB is one
+        # bucket, exchanged only after backward ends, so pass it only when the user chose one
+        buckets = {} if opts.bucket_mb is None else {"bucket_cap_mb": opts.bucket_mb}
         ddp = DistributedDataParallel(
             model,
             device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
             process_group=topo.group,
-            bucket_cap_mb=opts.bucket_mb,
             find_unused_parameters=opts.find_unused_parameters,
+            **buckets,
         )
         self._exchange = self._open_exchange(model)
         ddp.register_comm_hook(self, _shm_allreduce if self._exchange else _timed_allreduce)
