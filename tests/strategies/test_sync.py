@@ -120,7 +120,7 @@ def _bucket_sizes(ctx, bundle, bucket_mb):
 
 def test_gradients_go_out_in_buckets_while_backward_runs_unless_one_bucket_size_is_chosen(reference):
     bundle, _ = reference
-    classifier_bytes = 4 * (384 * 2304 + 384)  # the first weights backward reaches (CIFAR CNN at 24x24)
+    classifier_bytes = 4 * (384 * 2304 + 384)  # its big fully connected layer, among the first backward reaches
     overlapped = spawn(_bucket_sizes, 2, bundle, None)[0]
     # DDP's own layout: a bucket holding the big classifier goes out while the convolutions' backward runs
     assert len(overlapped) >= 2 and overlapped[0] >= classifier_bytes, overlapped
