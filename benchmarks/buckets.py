@@ -3,7 +3,8 @@
 Two sync workers hold three replicas of the bench's model: DDP with one bucket (``--bucket-mb 25``: the
 whole CIFAR CNN, exchanged when backward ends), DDP with its own layout (the classifier's 3.8 MB bucket goes
 out while the convolutions' backward runs; polytrain's default) and the first replica inside ``no_sync()``
-(no exchange: the ceiling). Both exchanges go through polytrain's shared memory, as ``sync`` does on CPU.
+(no exchange: the ceiling). Both are polytrain's sync strategy as shipped (``--bucket-mb 25`` and the
+default), so both exchanges go through its shared memory, as on any CPU run.
 The replicas take turns in blocks of ``--block`` steps, the order of the first two swapped every round, and
 each round gives one ratio per replica: its mean step time over the no-exchange one's, the first two steps
 of each block left out as the switch's transition.
@@ -14,7 +15,6 @@ of each block left out as the switch's transition.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
@@ -26,31 +26,29 @@ from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.bench.cases import BenchConfig
 from polytrain.dist.launch import launch
-from polytrain.dist.shm import SharedMemoryAllReduce, gather_plan
 from polytrain.models.registry import build_model
+from polytrain.strategies.sync import SyncConfig, SyncDataParallel
 
 ONE, LAYOUT, NONE = "one bucket", "DDP's layout", "no exchange"
 SKIP = 2  # steps at the start of a block: the ranks realign after the no-exchange block
 
 
-def replicas(ctx, model: torch.nn.Module) -> dict[str, DistributedDataParallel]:
-    plan = gather_plan(ctx.topology, sum(p.numel() * p.element_size() for p in model.parameters()))
-    exchange = SharedMemoryAllReduce.open(ctx.topology, plan.chunk_bytes)
-
-    def wrap(**buckets) -> DistributedDataParallel:
-        ddp = DistributedDataParallel(copy.deepcopy(model), process_group=ctx.topology.group, **buckets)
-        ddp.register_comm_hook(exchange, lambda ex, bucket: ex.start_average(bucket.buffer()))
-        return ddp
-
-    one = wrap(bucket_cap_mb=25.0)
-    return {ONE: one, LAYOUT: wrap(), NONE: one}
+def replicas(ctx, model: torch.nn.Module) -> dict[str, tuple[SyncDataParallel, DistributedDataParallel]]:
+    """The sync strategy as shipped, wrapping a copy of ``model`` with one bucket and with DDP's layout."""
+    built = {}
+    for key, options in ((ONE, SyncConfig(bucket_mb=25.0)), (LAYOUT, SyncConfig())):
+        strategy = SyncDataParallel(ctx.topology, options)
+        built[key] = (strategy, strategy.prepare_model(copy.deepcopy(model)))
+    built[NONE] = built[ONE]
+    return built
 
 
-def step(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, x, y, exchange: bool) -> float:
+def step(strategy: SyncDataParallel, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, x, y,
+         exchange: bool) -> float:
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    with contextlib.nullcontext() if exchange else ddp.no_sync():
-        F.cross_entropy(ddp(x), y).backward()
+    with strategy.grad_sync(ddp, enabled=exchange):
+        strategy.backward(F.cross_entropy(ddp(x), y))
     optimizer.step()
     return time.perf_counter() - started
 
@@ -59,7 +57,8 @@ def alternate(ctx, rounds: int, block: int) -> list[dict[str, float]]:
     bench = BenchConfig()
     torch.manual_seed(bench.seed)
     models = replicas(ctx, build_model(bench.model, input_shape=(3, 24, 24), num_classes=10))
-    optimizers = {k: torch.optim.SGD(m.parameters(), lr=bench.lr, momentum=bench.momentum) for k, m in models.items()}
+    optimizers = {k: torch.optim.SGD(m.parameters(), lr=bench.lr, momentum=bench.momentum)
+                  for k, (_, m) in models.items()}
     gen = torch.Generator().manual_seed(ctx.rank)
     batches = [(torch.randn(bench.worker_batch_size, 3, 24, 24, generator=gen),
                 torch.randint(0, 10, (bench.worker_batch_size,), generator=gen)) for _ in range(8)]
@@ -71,7 +70,7 @@ def alternate(ctx, rounds: int, block: int) -> list[dict[str, float]]:
             times = []
             for _ in range(block):
                 x, y = batches[done % len(batches)]
-                times.append(step(models[key], optimizers[key], x, y, exchange=key != NONE))
+                times.append(step(*models[key], optimizers[key], x, y, exchange=key != NONE))
                 done += 1
             means[key] = statistics.mean(times[SKIP:])
         ctx.topology.all_reduce_sum(torch.zeros(1))  # realign the ranks before the next round
