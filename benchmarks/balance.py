@@ -23,7 +23,7 @@ from pathlib import Path
 from polytrain.bench.cases import BenchConfig
 from polytrain.config import make_config
 from polytrain.data.batches import Shard
-from polytrain.dist.launch import launch
+from polytrain.distributed.launch import launch
 from polytrain.train.trainer import Trainer
 
 

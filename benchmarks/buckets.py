@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.bench.cases import BenchConfig
-from polytrain.dist.launch import launch
+from polytrain.distributed.launch import launch
 from polytrain.models.registry import build_model
 from polytrain.strategies.sync import SyncConfig, SyncDataParallel
 

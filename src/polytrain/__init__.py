@@ -30,8 +30,8 @@ from polytrain.devices import (  # noqa: E402
     parse_device,
     place,
 )
-from polytrain.dist.launch import WorkerContext, launch  # noqa: E402
-from polytrain.dist.topology import Topology  # noqa: E402
+from polytrain.distributed.launch import WorkerContext, launch  # noqa: E402
+from polytrain.distributed.topology import Topology  # noqa: E402
 from polytrain.errors import ConfigError, DeviceError, DivergedError, PolytrainError  # noqa: E402
 from polytrain.strategies import Strategy, available_strategies, get_strategy, register_strategy  # noqa: E402
 from polytrain.train.checkpoint import Checkpointer  # noqa: E402

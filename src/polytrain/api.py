@@ -8,7 +8,7 @@ from torch import nn
 
 from polytrain.config import RunConfig, make_config, resolve
 from polytrain.data.base import DataBundle
-from polytrain.dist.launch import WorkerContext
+from polytrain.distributed.launch import WorkerContext
 from polytrain.strategies import Strategy, get_strategy
 
 

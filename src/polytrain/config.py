@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from polytrain.data.config import DataConfig
 from polytrain.devices.config import DeviceConfig
-from polytrain.dist.launch import LaunchConfig
+from polytrain.distributed.launch import LaunchConfig
 from polytrain.errors import ConfigError
 from polytrain.models.registry import ModelConfig
 from polytrain.options import OptionInfo, convert, section_options

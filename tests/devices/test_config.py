@@ -8,7 +8,7 @@ import torch
 from polytrain.config import resolve, to_toml
 from polytrain.devices.config import DeviceConfig, check_device_config
 from polytrain.devices.discovery import available_device_names, cuda_device_count
-from polytrain.dist.launch import available_cores, resolve_backend, resolve_workers
+from polytrain.distributed.launch import available_cores, resolve_backend, resolve_workers
 from polytrain.errors import ConfigError, DeviceError
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

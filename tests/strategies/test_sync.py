@@ -13,7 +13,7 @@ import torch
 
 from polytrain.config import make_config
 from polytrain.data.base import DataBundle, TensorData
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.train.trainer import Trainer
 from tests.helpers.spawn import spawn
 
@@ -93,7 +93,7 @@ def test_sync_matches_single_on_the_global_batch(reference, workers, comm, throu
 
 
 def _without_dev_shm(ctx, bundle, comm):
-    import polytrain.dist.shm as shm
+    import polytrain.distributed.shm as shm
 
     shm.SHM_DIR = "/nonexistent-shm"  # as on a machine without /dev/shm
     trainer = Trainer(_config("sync", "mlp", "sgd", 1, comm=comm), ctx.topology, data=bundle)

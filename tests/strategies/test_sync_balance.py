@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polytrain.config import make_config
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.models import mlp
 from polytrain.train.trainer import Trainer

@@ -6,7 +6,7 @@ from torch import nn
 
 from polytrain.config import make_config
 from polytrain.data.base import DataBundle, TensorData
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.train.trainer import Trainer
 from tests.helpers.spawn import spawn
 

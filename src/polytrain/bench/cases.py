@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from polytrain.data.registry import check_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES
-from polytrain.dist.launch import available_cores
+from polytrain.distributed.launch import available_cores
 from polytrain.errors import ConfigError
 from polytrain.models.registry import resolve_model_factory
 

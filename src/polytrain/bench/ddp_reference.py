@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from polytrain.data.batches import BatchPlan, Shard
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
-from polytrain.dist.rendezvous import loopback_interface
+from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
 
 

@@ -17,7 +17,7 @@ import torch
 from polytrain import __version__
 from polytrain.bench.cases import BenchConfig, Case
 from polytrain.bench.measure import Measurement
-from polytrain.dist.launch import available_cores
+from polytrain.distributed.launch import available_cores
 
 #: (key, description, numerator case, denominator case, workers factor on the denominator, target)
 RATIOS = (

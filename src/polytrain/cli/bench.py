@@ -69,7 +69,7 @@ def bench_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from polytrain.bench import describe, format_markdown, format_text, plan, run_bench
-    from polytrain.dist.launch import available_cores
+    from polytrain.distributed.launch import available_cores
 
     cfg = bench_config(args)
     cfg.check()

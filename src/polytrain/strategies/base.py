@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import BatchPlan, Shard, ShardedBatches
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 
 

@@ -6,7 +6,7 @@ mean loss of its equal slice of the global batch and DDP averages the gradients,
 of the mean loss over the whole global batch: one identical update everywhere, the same as ``single``
 on the full batch.
 
-CPU workers on one machine average through shared memory (``polytrain.dist.shm``) instead of gloo's
+CPU workers on one machine average through shared memory (``polytrain.distributed.shm``) instead of gloo's
 loopback TCP unless ``--comm backend`` is given; the choice and its reason are logged at start.
 
 With ``--balance on|auto`` the slices need not be equal: every step each rank reports how long its forward
@@ -27,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.data.batches import Shard
-from polytrain.dist.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
+from polytrain.distributed.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
 from polytrain.options import option
 from polytrain.strategies.balance import Balancer, BalancePolicy

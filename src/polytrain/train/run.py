@@ -15,7 +15,7 @@ from polytrain.data.base import DataBundle
 from polytrain.data.registry import check_data
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
-from polytrain.dist.launch import launch, resolve_backend, resolve_workers, under_torchrun
+from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.errors import ConfigError
 from polytrain.models.registry import resolve_model_factory
 from polytrain.strategies import get_strategy

@@ -21,7 +21,7 @@ from polytrain.data.batches import BatchPlan, Shard
 from polytrain.devices.host_memory import describe_host_memory
 from polytrain.devices.placement import model_devices
 from polytrain.devices.runtime import DeviceRuntime
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.registry import build_model

@@ -19,7 +19,7 @@ from torch import nn
 
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import ShardedBatches, eval_batches
-from polytrain.dist.topology import Topology
+from polytrain.distributed.topology import Topology
 from polytrain.options import option
 from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from polytrain.dist import futex
+from polytrain.distributed import futex
 from polytrain.errors import CommunicationError, ConfigError
 
 SHM_DIR = "/dev/shm"

@@ -29,9 +29,9 @@ import torch.multiprocessing as mp
 
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
-from polytrain.dist.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
-from polytrain.dist.supervisor import describe_exception, send_report, stop_all, supervise
-from polytrain.dist.topology import Topology
+from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
+from polytrain.distributed.supervisor import describe_exception, send_report, stop_all, supervise
+from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.log import setup_logging
 from polytrain.options import option

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from polytrain.dist.shm import SHM_DIR, SharedMemoryAllReduce, gather_plan, plan_shm, region_bytes
+from polytrain.distributed.shm import SHM_DIR, SharedMemoryAllReduce, gather_plan, plan_shm, region_bytes
 from polytrain.errors import CommunicationError, ConfigError
 from tests.helpers.spawn import spawn
 
@@ -168,7 +168,7 @@ def test_a_background_timeout_fails_this_and_every_later_future():
 
 
 def _open_in_missing_dir(ctx):
-    import polytrain.dist.shm as shm
+    import polytrain.distributed.shm as shm
 
     shm.SHM_DIR = "/nonexistent-shm"
     with pytest.raises(ConfigError) as err:

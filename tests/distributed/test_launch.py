@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from polytrain.devices.host_memory import describe_host_memory
-from polytrain.dist.launch import launch
-from polytrain.dist.rendezvous import StoreServer
+from polytrain.distributed.launch import launch
+from polytrain.distributed.rendezvous import StoreServer
 from polytrain.errors import ConfigError, DataError, WorkerError
 from tests.helpers.procs import alive, cmdline, descendants, leftover_children, listening_addresses
 from tests.helpers.spawn import spawn

@@ -4,7 +4,7 @@ from datetime import timedelta
 
 import pytest
 
-from polytrain.dist.rendezvous import (StoreServer, _interface_address, bind_listener, connect_store, gloo_interface,
+from polytrain.distributed.rendezvous import (StoreServer, _interface_address, bind_listener, connect_store, gloo_interface,
                                        interface_towards, is_loopback, loopback_interface)
 from polytrain.errors import ConfigError
 from tests.helpers.procs import listening_addresses
