@@ -51,3 +51,16 @@ def check_lm_compat(bundle: DataBundle, model: nn.Module, model_name: str = "the
     if limit is not None and bundle.seq_len is not None and bundle.seq_len > limit:
         raise ConfigError(f"--data {bundle.name}: sequences of up to {bundle.seq_len} tokens are longer than the "
                           f"model's seq_len {limit}; use --model-arg seq_len={bundle.seq_len} or shorter sequences")
+
+
+def shape_from_state(state: dict[str, object]) -> dict[str, object]:
+    """``input_shape``/``num_classes`` to rebuild ``rnn_lm``/``transformer_lm`` from a saved state_dict: the
+    vocabulary from the token embedding's rows, the sequence length from the position embedding's."""
+    shape: dict[str, object] = {}
+    for key in ("embed.tokens.weight", "embed.weight"):
+        if key in state:
+            shape["num_classes"] = int(state[key].shape[0])
+            break
+    if "embed.positions.weight" in state:
+        shape["input_shape"] = (int(state["embed.positions.weight"].shape[0]),)
+    return shape
