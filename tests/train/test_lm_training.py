@@ -59,3 +59,30 @@ def test_evaluation_reports_the_mean_over_tokens_and_perplexity(trained):
     assert summary["eval_accuracy"] == pytest.approx(accuracy, rel=1e-5)
     end = _records(out / "m.jsonl", "end")[-1]
     assert end["perplexity"] == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-5)
+
+
+def _step_losses(path):
+    return [r["loss"] for r in _records(path, "step")]
+
+
+def _single_and_sync(tmp_path, **run):
+    common = dict(RUN, eval_every=0, steps=10, **run)
+    polytrain.fit(metrics_file=str(tmp_path / "single.jsonl"), **common)
+    polytrain.fit(metrics_file=str(tmp_path / "sync.jsonl"), **{**common, "strategy": "sync", "workers": 2})
+    return _step_losses(tmp_path / "single.jsonl"), _step_losses(tmp_path / "sync.jsonl")
+
+
+def test_sync_equals_single_on_fixed_windows(tmp_path):
+    # every slice holds the same number of tokens, so averaging the workers' means is already the token mean
+    single, sync = _single_and_sync(tmp_path)
+    assert len(single) == 10 and sync == pytest.approx(single, rel=1e-5)
+
+
+@pytest.mark.xfail(reason="needs the lead's step integration: each slice's loss weighted by its token count "
+                          "(count_units) instead of its example count", strict=False)
+def test_sync_equals_single_on_sentences_of_uneven_lengths(tmp_path):
+    lines = [line for line in build_data("text").train.tokens.numpy().tobytes().split(b"\n") if line.strip()]
+    corpus = tmp_path / "lines.txt"
+    corpus.write_bytes(b"\n".join(lines[:400]))
+    single, sync = _single_and_sync(tmp_path, model="rnn_lm:hidden=32", data=f"sentences:{corpus}", batch_size=8)
+    assert len(single) == 10 and sync == pytest.approx(single, rel=1e-5)
