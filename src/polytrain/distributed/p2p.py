@@ -21,6 +21,7 @@ Who sent a message received from any rank is carried in the message itself (a he
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from polytrain.errors import CommunicationError
 
 HEADER_LEN = 4  # int64 values: [kind, sender, a, b]; the meaning of a and b is the protocol's
+Message = tuple[torch.Tensor, int, int]  # (tensor, peer rank in the group, tag)
 
 
 def _default_name(rank: int) -> str:
@@ -50,23 +52,30 @@ class Channel:
     # -- plain tensors ----------------------------------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.send_many([(tensor, dst)], tag)
-
-    def send_many(self, messages: Sequence[tuple[torch.Tensor, int]], tag: int) -> None:
-        """Post every send at once, then wait for each (so S peers are served in parallel)."""
-        works = [(dist.isend(t, group=self.group, group_dst=dst, tag=tag), dst) for t, dst in messages]
-        for work, dst in works:
-            self._wait(work, f"sending to {self.names(dst)}")
+        self.exchange(sends=[(tensor, dst, tag)])
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        work = dist.irecv(tensor, group=self.group, group_src=src, tag=tag)
-        self._wait(work, f"waiting for {self.names(src)}")
+        self.exchange(recvs=[(tensor, src, tag)])
         return tensor
+
+    def exchange(self, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> None:
+        """Post every receive, then every send, then wait for all of them within one timeout.
+
+        Posting all at once is what keeps ranks that talk to several peers from waiting on each other in a
+        cycle: a peer's send to us completes as soon as it is posted on its side, whatever we wait on first.
+        """
+        works = [(dist.irecv(t, group=self.group, group_src=src, tag=tag), f"waiting for {self.names(src)}")
+                 for t, src, tag in recvs]
+        works += [(dist.isend(t, group=self.group, group_dst=dst, tag=tag), f"sending to {self.names(dst)}")
+                  for t, dst, tag in sends]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for work, doing in works:
+            self._wait(work, doing, deadline)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, expected: str) -> torch.Tensor:
         """Receive from whichever rank sends first; ``expected`` says who could (for the error)."""
         work = dist.irecv(tensor, group=self.group, src=None, tag=tag)
-        self._wait(work, f"waiting for a message from {expected}")
+        self._wait(work, f"waiting for a message from {expected}", time.monotonic() + self.timeout.total_seconds())
         return tensor
 
     # -- headers: small int64 tensors that say what follows ---------------------------------------------
@@ -82,9 +91,10 @@ class Channel:
 
     # -- errors ---------------------------------------------------------------------------------------
 
-    def _wait(self, work: Any, doing: str) -> None:
+    def _wait(self, work: Any, doing: str, deadline: float) -> None:
+        left = max(0.001, deadline - time.monotonic())  # wait(timedelta(0)) would mean "no limit"
         try:
-            work.wait(self.timeout)
+            work.wait(timedelta(seconds=left))
         except RuntimeError as exc:
             raise CommunicationError(self._explain(exc, doing)) from exc
 

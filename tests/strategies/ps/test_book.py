@@ -30,6 +30,7 @@ def test_bound_zero_defers_a_pull_until_every_worker_finished():
     book.admit(0, 0), book.applied(0, 0, 0)
     assert not book.pull(0, 1)  # worker 1 has not finished step 0
     assert book.ready() == []
+    assert book.silent() == [1]  # the one a server that times out names
     book.admit(1, 0), book.applied(1, 0, 0)
     assert book.ready() == [(0, 1)]
     assert book.version() == 1

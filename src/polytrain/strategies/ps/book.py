@@ -50,6 +50,11 @@ class ServerBook:
     def active(self) -> list[int]:
         return [w for w in self.finished if w not in self.done]
 
+    def silent(self) -> list[int]:
+        """Workers the server is waiting to hear from: still training and not waiting for a pull's answer
+        (when every one of them waits, none is to blame and all are listed)."""
+        return [w for w in self.active if w not in self.pending] or self.active
+
     @property
     def all_done(self) -> bool:
         return len(self.done) == len(self.finished)

@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from polytrain.distributed.p2p import Channel, header
+from polytrain.distributed.p2p import HEADER_LEN, Channel, header
 from polytrain.errors import CommunicationError
 from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, REPLY, TAG_REPLY, TAG_REPLY_DATA,
                                             TAG_REQUEST, TAG_REQUEST_DATA, Layout)
@@ -33,30 +33,25 @@ class ParameterClient:
 
     def send_initial(self) -> None:
         """First worker only, before anyone's first pull: the model's values become the servers' values."""
-        self._send_all(INIT, 0, 0, self._values(self.params))
+        self._send(INIT, self._values(self.params))
 
     def pull(self, clock: int) -> list[int]:
         """Wait until every server lets this worker start ``clock``; load the values into the model.
         Returns each server's version (global clock) of the values."""
-        self._headers(PULL, clock, 0)
-        return self._receive_values()
+        return self._ask(PULL, clock)
 
     def push(self, clock: int) -> None:
         """Send this worker's gradients of step ``clock`` (missing gradients count as zero)."""
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        values = self._values(grads)
-        self.channel.send_many([(header(PUSH, self.channel.rank, clock, self.versions[s]), rank)
-                                for s, rank in enumerate(self.layout.server_ranks)], TAG_REQUEST)
-        self._send_values(values)
+        self._send(PUSH, self._values(grads), clock)
 
     def read(self) -> list[int]:
         """The servers' current values into the model, whatever the clocks (for saving or evaluating)."""
-        self._headers(READ, 0, 0)
-        return self._receive_values()
+        return self._ask(READ, 0)
 
     def done(self) -> None:
         """This worker will send nothing more; a server ends once every worker said so."""
-        self._headers(DONE, 0, 0)
+        self._send(DONE, None)
 
     # -- helpers ----------------------------------------------------------------------------------------
 
@@ -64,26 +59,31 @@ class ParameterClient:
         cpu = {name: t.detach().to("cpu") for name, t in tensors.items()}
         return [self.plan.flatten(cpu, s, out=self.buffers[s]) for s in range(self.plan.servers)]
 
-    def _headers(self, kind: int, a: int, b: int) -> None:
-        self.channel.send_many([(header(kind, self.channel.rank, a, b), rank)
-                                for rank in self.layout.server_ranks], TAG_REQUEST)
-
-    def _send_all(self, kind: int, a: int, b: int, values: list[torch.Tensor]) -> None:
-        self._headers(kind, a, b)
-        self._send_values(values)
-
-    def _send_values(self, values: list[torch.Tensor]) -> None:
-        self.channel.send_many([(v, rank) for v, rank in zip(values, self.layout.server_ranks) if v.numel()],
-                               TAG_REQUEST_DATA)
-
-    def _receive_values(self) -> list[int]:
+    def _send(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0) -> None:
+        """A header (and values) to every server, all posted at once."""
+        me = self.channel.rank
+        sends = []
         for s, rank in enumerate(self.layout.server_ranks):
-            kind, _, version, updates = self.channel.recv_header(rank, TAG_REPLY)
-            if kind != REPLY:
-                raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} sent an unexpected "
-                                         f"message kind {kind}")
+            sends.append((header(kind, me, clock, self.versions[s]), rank, TAG_REQUEST))
+            if values is not None and values[s].numel():
+                sends.append((values[s], rank, TAG_REQUEST_DATA))
+        self.channel.exchange(sends=sends)
+
+    def _ask(self, kind: int, clock: int) -> list[int]:
+        """Post every server's answer's receives first, then ask: no server ever waits for us to listen."""
+        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in self.layout.server_ranks]
+        recvs = []
+        for s, rank in enumerate(self.layout.server_ranks):
+            recvs.append((heads[s], rank, TAG_REPLY))
             if self.buffers[s].numel():
-                self.channel.recv(self.buffers[s], rank, TAG_REPLY_DATA)
+                recvs.append((self.buffers[s], rank, TAG_REPLY_DATA))
+        sends = [(header(kind, self.channel.rank, clock, 0), rank, TAG_REQUEST) for rank in self.layout.server_ranks]
+        self.channel.exchange(sends=sends, recvs=recvs)
+        for s, rank in enumerate(self.layout.server_ranks):
+            answer, _, version, updates = heads[s].tolist()
+            if answer != REPLY:
+                raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} answered with message "
+                                         f"kind {answer} instead of a reply")
             self.versions[s], self.updates[s] = version, updates
             self.plan.unflatten(self.buffers[s], s, self.params)
         return list(self.versions)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from polytrain.distributed.p2p import Channel
+from polytrain.distributed.p2p import Channel, header
 from polytrain.errors import CommunicationError
 from polytrain.strategies.ps.book import ServerBook
 from polytrain.strategies.ps.layout import (DONE, INIT, KIND_NAMES, PULL, PUSH, READ, REPLY, TAG_REPLY,
@@ -53,8 +53,8 @@ class ParameterServer:
         """Receive the initial values from the first worker, then serve until every worker is done."""
         self._receive_init()
         while not self.book.all_done:
-            waiting = ", ".join(str(w) for w in self.book.active)
-            kind, worker, a, b = self.channel.recv_header_any(TAG_REQUEST, f"worker rank(s) {waiting}")
+            silent = ", ".join(str(w) for w in self.book.silent())
+            kind, worker, a, b = self.channel.recv_header_any(TAG_REQUEST, f"worker rank(s) {silent}")
             self._handle(kind, worker, a, b)
         return {"server": self.index, "rank": self.channel.rank, **self.book.summary()}
 
@@ -106,9 +106,10 @@ class ParameterServer:
 
     def _reply(self, worker: int, values: torch.Tensor, read_only: bool = False) -> None:
         version = self.book.version() if read_only else self.book.replied(worker)
-        self.channel.send_header(worker, TAG_REPLY, REPLY, version, self.book.updates)
+        sends = [(header(REPLY, self.channel.rank, version, self.book.updates), worker, TAG_REPLY)]
         if values.numel():
-            self.channel.send(values, worker, TAG_REPLY_DATA)
+            sends.append((values, worker, TAG_REPLY_DATA))
+        self.channel.exchange(sends=sends)
 
     def _recv_values(self, into: torch.Tensor, worker: int) -> None:
         if into.numel():
