@@ -15,7 +15,9 @@ What torch 2.13's gloo backend gives and this module relies on:
 * a receive from (or send to) a named rank whose process has exited fails at once ("Connection closed by
   peer"); a receive from any rank does not notice a dead peer and ends only by its timeout.
 
-Who sent a message received from any rank is carried in the message itself (a header tensor,
+A rank that talks to several peers at once (a worker asking every parameter server) uses
+:meth:`Channel.exchange`: it posts every receive, then every send, then waits for all, so no two ranks can
+each block in a send to the other. Who sent a message received from any rank is carried in the message itself (a header tensor,
 :data:`HEADER_LEN` int64 values), not read from the receive's source rank.
 """
 

@@ -42,13 +42,14 @@ def test_two_servers_with_a_split_tensor_give_the_same_result_as_one():
     assert_close(gather(results, cfg), reference(2, STEPS), 1e-5)
 
 
-@pytest.mark.parametrize("bound", [0, 1, 3])
+@pytest.mark.parametrize("bound", [0, 1, 3, None])
 def test_random_delays_never_exceed_the_staleness_bound_and_apply_every_step_once(bound):
     workers, steps = 3, 6
     cfg = {"workers": workers, "servers": 1, "steps": steps, "bound": bound, "sleep": 0.03}
     server = spawn(ps_job, workers + 1, cfg, timeout=60)[workers]
-    assert server["max_staleness"] <= bound
-    assert all(r[3] - r[2] <= bound for r in server["records"])
+    if bound is not None:
+        assert server["max_staleness"] <= bound
+        assert all(r[3] - r[2] <= bound for r in server["records"])
     applied = sorted((r[0], r[1]) for r in server["records"])
     assert applied == [(w, c) for w in range(workers) for c in range(steps)]
     assert server["duplicates"] == []

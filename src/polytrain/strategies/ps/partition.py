@@ -101,7 +101,8 @@ class PartitionPlan:
 
     # -- moving values --------------------------------------------------------------------------------
 
-    def flatten(self, tensors: Mapping[str, torch.Tensor], server: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def flatten(self, tensors: Mapping[str, torch.Tensor], server: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Server ``server``'s buffer filled from ``tensors`` (name -> tensor of the model's shape)."""
         pieces = self.pieces_of(server)
         if out is None:
