@@ -1,6 +1,9 @@
+import json
+
 import pytest
 import torch
 
+import polytrain
 from polytrain.data import synthetic as synthetic_module
 from polytrain.data.synthetic import SyntheticData, synthetic
 from polytrain.errors import DataError
@@ -15,12 +18,38 @@ def test_cifar_shaped_by_default():
 
 
 def test_labels_are_learnable():
-    """A linear probe fitted on the training split predicts the held-out split far above chance (0.1)."""
-    bundle = synthetic(shape=(3, 4, 4), size=2000, test_size=500)
+    """Not an image: a linear teacher, so a linear probe fitted on the training split predicts the held-out
+    split far above chance (0.1)."""
+    bundle = synthetic(shape=(48,), size=2000, test_size=500)
     x, y = bundle.train.get_batch(torch.arange(2000))
     xt, yt = bundle.test.get_batch(torch.arange(500))
     w = torch.linalg.lstsq(x.flatten(1), torch.nn.functional.one_hot(y, 10).float()).solution
     assert ((xt.flatten(1) @ w).argmax(1) == yt).float().mean() > 0.6
+
+
+def test_a_cnn_learns_image_shaped_data(tmp_path):
+    """Images get a convolutional teacher: the CIFAR CNN's loss falls clearly in 400 steps (4-5 s here).
+    Measured with seeds 0-4: the last 50 steps' loss is 0.37-0.56 of the first 10 steps'; with the former
+    linear teacher on the flattened pixels it was 0.94-0.97 (seeds 0-2)."""
+    metrics = tmp_path / "m.jsonl"
+    polytrain.fit(strategy="single", model="cifar_cnn", data="synthetic:shape=3x8x8,size=4096,test_size=0",
+                  steps=400, lr=0.02, batch_size=64, seed=0, progress="off", eval_every=0, log_every=10,
+                  metrics_file=str(metrics), threads_per_worker=1)
+    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "step"]
+    first, last = losses[0], sum(losses[-5:]) / 5  # mean losses of steps 1-10 and 351-400
+    assert last < 0.8 * first, (first, last)
+
+
+def test_every_example_is_the_same_alone_or_in_any_batch(monkeypatch):
+    """Labels near a tie would flip if the teacher's arithmetic depended on the batch (float32 CPU
+    convolution does)."""
+    monkeypatch.setattr(synthetic_module, "MATERIALIZE_LIMIT", 0)  # generated on demand, batch by batch
+    for shape in ((3, 8, 8), (1, 5, 7), (20,)):
+        data = synthetic(shape=shape, size=200, test_size=0).train
+        together = data.get_batch(torch.arange(200))
+        for part in (torch.arange(200).flip(0), torch.tensor([7]), torch.arange(3, 200, 17)):
+            for a, b in zip(data.get_batch(part), together):
+                assert torch.equal(a, b[part]), shape
 
 
 def test_same_seed_same_data_other_seed_other_data():

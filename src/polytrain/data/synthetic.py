@@ -1,9 +1,12 @@
 """``synthetic``: random inputs of any shape and size, labelled by a fixed random "teacher".
 
-Labels come from a random linear teacher on the inputs (``argmax`` over classes, or its sign for the
-binary task), so the data is learnable and a falling loss means training works. Every example is a
-pure function of ``(seed, index)``: a dataset too large for memory is generated batch by batch, and
-a small one is generated once, with identical values either way.
+Labels come from a fixed random teacher (``argmax`` over classes, or its sign for the binary task), so
+the data is learnable and a falling loss means training works. Images (3-D shapes C×H×W) get a small
+convolutional teacher, which convolutional models learn (a linear teacher on the flattened pixels is a
+function that convolution and pooling throw away: the CIFAR CNN's loss went 2.30 -> 2.28 in 400 steps);
+other shapes get a linear teacher. Every example is a pure function of ``(seed, index)``: a dataset too
+large for memory is generated batch by batch, and a small one is generated once, with identical values
+either way (the teacher computes in float64, whose CPU convolution does not depend on the batch).
 
 Examples: ``synthetic`` (CIFAR-shaped 3x32x32, 10 classes), ``synthetic:shape=3x24x24,size=50000``,
 ``synthetic:shape=5,task=binary`` (the 5 -> 10 -> 1 tower example with ``--model mlp:hidden=10``).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from polytrain.data.base import TASKS, DataBundle, TensorData, example_uniform
@@ -31,22 +35,71 @@ def _normals(seed: int, indices: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class _Teacher:
+    """A random linear map of the flattened inputs, then argmax (or sign)."""
+
     def __init__(self, seed: int, numel: int, num_classes: int, task: str):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + _TEACHER_STREAM)
         self.task = task
         self.weight = torch.randn(numel, 1 if task == "binary" else num_classes, generator=gen) / math.sqrt(numel)
 
     def __call__(self, flat_inputs: torch.Tensor) -> torch.Tensor:
-        scores = flat_inputs @ self.weight
-        if self.task == "binary":
-            return (scores[:, 0] > 0).to(torch.float32)
-        return scores.argmax(dim=1)
+        return _labels(flat_inputs @ self.weight, self.task)
+
+
+class _ConvTeacher:
+    """Random unit-norm filters, without padding: on N(0, 1) inputs every position's response to filter k
+    is N(bias_k, 1). Then ReLU, the mean over positions, centred and scaled by the ReLU's exact mean and
+    spread (so that no feature dominates), a random linear map and argmax (or sign). A CNN's
+    first convolution can hold the filters exactly; the pooling and classifier learn the rest."""
+
+    FILTERS, KERNEL = 16, 3
+
+    def __init__(self, seed: int, shape: tuple[int, ...], num_classes: int, task: str):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + _TEACHER_STREAM)
+        channels, height, width = shape
+        kernel = min(self.KERNEL, height, width)
+        filters = torch.randn(self.FILTERS, channels, kernel, kernel, generator=gen, dtype=torch.float64)
+        self.filters = filters / filters.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        # biases around +1: most positions respond, so max-pooling students see most of what the mean sums
+        # (centred at 0 the CIFAR CNN learned it more slowly: loss ratio 0.54-0.66 against 0.37-0.56)
+        self.bias = 1.0 + 0.5 * torch.randn(self.FILTERS, generator=gen, dtype=torch.float64)
+        self.mean, self.std = _relu_moments(self.bias)
+        outputs = 1 if task == "binary" else num_classes
+        weight = torch.randn(self.FILTERS, outputs, generator=gen, dtype=torch.float64)
+        self.weight = weight / weight.norm(dim=0)  # equal norms: no class wins by a longer weight vector
+        self.shape, self.task = shape, task
+
+    def __call__(self, flat_inputs: torch.Tensor) -> torch.Tensor:
+        images = flat_inputs.to(torch.float64).view(-1, *self.shape)
+        pooled = F.conv2d(images, self.filters, self.bias).relu_().mean(dim=(2, 3))
+        return _labels((pooled - self.mean) / self.std @ self.weight, self.task)
+
+
+def _relu_moments(mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of relu(h) for h ~ N(mean, 1)."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    cdf, pdf = normal.cdf(mean), normal.log_prob(mean).exp()
+    first = mean * cdf + pdf
+    second = (mean**2 + 1) * cdf + mean * pdf
+    return first, (second - first**2).sqrt()
+
+
+def _labels(scores: torch.Tensor, task: str) -> torch.Tensor:
+    if task == "binary":
+        return (scores[:, 0] > 0).to(torch.float32)
+    return scores.argmax(dim=1)
+
+
+def _teacher(seed: int, shape: tuple[int, ...], num_classes: int, task: str):
+    if len(shape) == 3:
+        return _ConvTeacher(seed, shape, num_classes, task)
+    return _Teacher(seed, math.prod(shape), num_classes, task)
 
 
 class SyntheticData(Dataset):
     """Examples ``offset .. offset+size-1`` of a synthetic stream, generated when asked for."""
 
-    def __init__(self, shape: tuple[int, ...], size: int, offset: int, seed: int, teacher: _Teacher):
+    def __init__(self, shape: tuple[int, ...], size: int, offset: int, seed: int, teacher: _Teacher | _ConvTeacher):
         self.shape, self.size, self.offset, self.seed, self.teacher = shape, size, offset, seed, teacher
 
     def __len__(self) -> int:
@@ -108,7 +161,7 @@ def synthetic(shape=(3, 32, 32), classes: int = 10, size: int = 1024, test_size:
     check_synthetic(shape, classes, size, test_size, seed, task)
     dims = _as_shape(shape)
     num_classes = 2 if task == "binary" else classes
-    teacher = _Teacher(seed, math.prod(dims), num_classes, task)
+    teacher = _teacher(seed, dims, num_classes, task)
     return DataBundle(
         name="synthetic",
         train=_split(dims, size, 0, seed, teacher),
