@@ -54,11 +54,14 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "dying": DyingSGD, "hanging": HangingSGD}
 
 
 def ps_job(ctx, cfg: dict):
-    """cfg: workers, servers, steps, bound, scale, timeout, optimizer, sleep (s, max per step), duplicate."""
+    """cfg: workers, servers, steps, bound, scale, timeout, optimizer, sleep (s, max per step), duplicate,
+    device (the workers' model)."""
     layout = Layout(cfg["workers"], cfg["servers"])
     channel = Channel(ctx.topology.group, cfg.get("timeout", 30), layout.name, me=layout.name(ctx.rank))
     model = make_model()
     plan = plan_for(model, layout.servers)
+    if cfg.get("device") and layout.role(ctx.rank) == "trainer":
+        model.to(cfg["device"])  # the wire stays on CPU buffers whatever the model's device
     if layout.role(ctx.rank) == "server":
         optimizer = OPTIMIZERS[cfg.get("optimizer", "sgd")]
         server = ParameterServer(channel, layout, plan, StalenessPolicy(cfg.get("bound")),
@@ -75,7 +78,7 @@ def _train(client: ParameterClient, model: nn.Module, rank: int, cfg: dict) -> d
     versions = []
     for clock in range(cfg["steps"]):
         versions.append(client.pull(clock))
-        x, y = batch(rank, clock)
+        x, y = (t.to(cfg.get("device", "cpu")) for t in batch(rank, clock))
         model.zero_grad()
         F.mse_loss(model(x), y).backward()
         if cfg.get("sleep"):
@@ -86,7 +89,7 @@ def _train(client: ParameterClient, model: nn.Module, rank: int, cfg: dict) -> d
     read = None
     if cfg["workers"] == 1:
         client.read()
-        read = {name: p.detach().clone() for name, p in model.named_parameters()}
+        read = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     client.done()
     return {"versions": versions, "read": read}
 

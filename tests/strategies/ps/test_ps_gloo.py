@@ -53,3 +53,10 @@ def test_random_delays_never_exceed_the_staleness_bound_and_apply_every_step_onc
     applied = sorted((r[0], r[1]) for r in server["records"])
     assert applied == [(w, c) for w in range(workers) for c in range(steps)]
     assert server["duplicates"] == []
+
+
+@pytest.mark.gpu
+def test_workers_on_a_gpu_equal_the_cpu_reference():
+    cfg = {"workers": 2, "servers": 2, "steps": STEPS, "bound": 0, "scale": 0.5, "device": "cuda"}
+    results = spawn(ps_job, 4, cfg, timeout=120)
+    assert_close(gather(results, cfg), reference(2, STEPS), 1e-4)
