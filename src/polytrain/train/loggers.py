@@ -20,11 +20,12 @@ from typing import Any
 from torch import nn
 
 from polytrain.log import get_logger
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 PROGRESS = ("auto", "bar", "lines", "off")
 
 
+@register_section("log", "logging", order=90)
 @dataclass
 class LogConfig:
     log_every: int = option(10, "log loss, lr and throughput every N steps", minimum=1, metavar="N")
