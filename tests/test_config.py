@@ -33,6 +33,18 @@ def test_both_of_an_exclusive_pair_in_one_place_is_an_error(tmp_path):
         resolve(read_toml(path), {}, file_name=path)
 
 
+def test_a_bad_member_of_an_exclusive_pair_is_named_before_the_clash():
+    with pytest.raises(ConfigError, match="^--epochs: must be >= 1, got 0$"):
+        resolve({}, {"steps": "1", "epochs": "0"})
+
+
+@pytest.mark.parametrize("key, value", [("lr", "nan"), ("momentum", "inf"), ("weight_decay", "-inf"),
+                                        ("lr", float("nan"))])
+def test_float_settings_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=r"must be a finite number, got -?(nan|inf)$"):
+        resolve({}, {key: value})
+
+
 def test_worker_batch_size_replaces_the_global_batch():
     config = make_config(worker_batch_size=16)
     assert config.data.batch_size is None and config.global_batch(4) == 64

@@ -107,29 +107,35 @@ def resolve(file_values: dict[str, Any] | None = None, flag_values: dict[str, An
             *, file_name: str = "config file") -> RunConfig:
     """Merge defaults < file < flags into a checked :class:`RunConfig`."""
     layers = [(file_values or {}, lambda k: f"{k} in {file_name}"), (flag_values or {}, lambda k: _BY_KEY[k].flag)]
-    chosen: dict[str, tuple[Any, str]] = {}
+    chosen: dict[str, Any] = {}
     for values, source_of in layers:
+        typed = _converted(values, source_of)  # a bad value (--epochs 0) is named before any clash of a pair
         for group in EXCLUSIVE:
-            present = [k for k in group if values.get(k) is not None]
+            present = [k for k in group if typed.get(k) is not None]
             if len(present) > 1:
                 raise ConfigError(f"{' and '.join(source_of(k) for k in present)}: give only one of them")
             if present:  # this layer picks one of the pair: forget what a lower layer said about the other
                 for other in group:
                     chosen.pop(other, None)
-        for key, value in values.items():
-            if key not in _BY_KEY:
-                raise _unknown_key(key, "settings")
-            chosen[key] = (value, source_of(key))
+        chosen.update(typed)
     config = RunConfig()
-    for key, (value, source) in chosen.items():
-        info = _BY_KEY[key]
-        setattr(getattr(config, info.section), key, convert(info, value, source))
+    for key, value in chosen.items():
+        setattr(getattr(config, _BY_KEY[key].section), key, value)
     for group in EXCLUSIVE:  # a default of one member yields to a chosen other member
         picked = [k for k in group if k in chosen and getattr(getattr(config, _BY_KEY[k].section), k) is not None]
         for other in group:
             if picked and other not in picked:
                 setattr(getattr(config, _BY_KEY[other].section), other, None)
     return config
+
+
+def _converted(values: dict[str, Any], source_of: Any) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if key not in _BY_KEY:
+            raise _unknown_key(key, "settings")
+        out[key] = convert(_BY_KEY[key], value, source_of(key))
+    return out
 
 
 def make_config(**settings: Any) -> RunConfig:

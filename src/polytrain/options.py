@@ -11,6 +11,7 @@ defaults < config file < flags; adding a component edits no central file.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,11 +30,13 @@ def option(
     check: Callable[[Any], None] | None = None,
     short: str | None = None,
     flag: str | None = None,
+    finite: bool = True,
 ) -> Any:
-    """A config field with its CLI help. ``check(value)`` raises ValueError with a message on bad values."""
+    """A config field with its CLI help. ``check(value)`` raises ValueError with a message on bad values.
+    A float must be finite unless ``finite=False``: nan passes every ``minimum`` comparison."""
     meta = {
         "help": help, "choices": tuple(choices) if choices else None, "minimum": minimum,
-        "metavar": metavar, "repeat": repeat, "check": check, "short": short, "flag": flag,
+        "metavar": metavar, "repeat": repeat, "check": check, "short": short, "flag": flag, "finite": finite,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -103,6 +106,8 @@ def convert(info: OptionInfo, value: Any, source: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     meta = info.meta
+    if isinstance(typed, float) and not math.isfinite(typed) and meta.get("finite", True):
+        raise ConfigError(f"{source}: must be a finite number, got {describe(typed)}")
     if typed is not None and meta["choices"] and typed not in meta["choices"]:
         raise ConfigError(f"{source}: unknown value {describe(typed)}; accepted: {', '.join(meta['choices'])}")
     if typed is not None and meta["minimum"] is not None and typed < meta["minimum"]:

@@ -63,3 +63,19 @@ def test_a_taken_master_port_is_one_clear_line(cli_env):
         proc = polytrain("--steps", "1", "--workers", "2", "--master-port", str(port), env=cli_env)
     assert proc.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint-dir", "/proc/forbidden", "--checkpoint-every", "1"],
+     "--checkpoint-dir /proc/forbidden: cannot create or write this directory"),
+    (["--epochs", "0"], "--epochs: must be >= 1, got 0"),  # with --steps 1: the bad value, not the pair
+    (["--lr", "nan"], "--lr: must be a finite number, got nan"),
+    (["--momentum", "inf"], "--momentum: must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
+])
+def test_bad_settings_are_one_line_before_any_worker_starts(cli_env, args, message):
+    proc = polytrain("--steps", "1", "--workers", "2", *args, env=cli_env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert proc.stdout == ""  # a started run prints its opening lines first

@@ -1,8 +1,13 @@
 """``--host-memory``: with ``cache`` a training step reuses its memory instead of faulting in fresh pages.
 
-Page faults are counted in fresh processes (the setting is process-wide C library state), on the same
-steps with each setting; the median step's count is compared."""
+Page faults are counted in fresh processes (the setting is process-wide C library state); the median
+step's count is what is asserted. Only ``cache`` is polytrain's doing: whether glibc's default (``release``)
+faults depends on its sliding mmap threshold, i.e. on what the process happened to free before (measured
+here: from about 1 to 2,400 faults per step between runs of the same script), so ``release`` is compared
+with only when that run did fault."""
 
+import functools
+import os
 import subprocess
 import sys
 
@@ -10,6 +15,7 @@ import pytest
 
 from polytrain.devices import host_memory
 from polytrain.devices.host_memory import describe_host_memory, set_host_memory
+from tests.conftest import SRC
 
 _STEPS = """
 import resource, sys, torch, torch.nn.functional as F
@@ -23,36 +29,53 @@ x, y = torch.randn(16, 3, 24, 24), torch.randint(0, 10, (16,))
 def step():
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
-for _ in range(3):
+for _ in range(5):
     step()
 faults = []
-for _ in range(9):
+for _ in range(15):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sorted(faults)[4])  # the median step: a one-off growth of the heap (seen once: 576 faults) is not a step's cost
+print(sorted(faults)[7])  # the median step: a one-off growth of the heap (seen: 145, 576 faults) is not a step's cost
 """
 
+NEAR_ZERO = 8  # pages per step (32 KiB); one step of this model touches about 2,000 pages of activations
+FAULTED = 10 * NEAR_ZERO  # a release run below this kept its memory too: there is nothing to compare
 
-def _faults_per_step(mode, cli_env):
-    done = subprocess.run([sys.executable, "-c", _STEPS, mode], env=cli_env, capture_output=True, text=True,
-                          timeout=120)
+
+@functools.cache
+def _faults_per_step(mode):
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", _STEPS, mode], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     said, faults = done.stdout.strip().splitlines()
     return said, float(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc is what --host-memory tunes")
-def test_cache_reuses_the_memory_of_earlier_steps(cli_env):
-    said_cache, cached = _faults_per_step("cache", cli_env)
-    said_release, released = _faults_per_step("release", cli_env)
-    if "not glibc" in said_cache:
-        pytest.skip(said_cache)
-    assert said_cache == "freed tensor memory kept for reuse (--host-memory cache)"
-    assert said_release == "freed tensor memory returned to the system (glibc's default)"
-    # measured here: about 2,000 faults per step when released, under 1 when cached
-    assert released > 200, f"glibc's default no longer returns this step's memory ({released} faults/step)"
-    assert cached < released / 20, f"cache: {cached} page faults per step, release: {released}"
+def _cached():
+    said, faults = _faults_per_step("cache")
+    if "not glibc" in said:
+        pytest.skip(said)
+    assert said == "freed tensor memory kept for reuse (--host-memory cache)"
+    return faults
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc is what it tunes")
+
+
+def test_cache_steps_fault_in_near_zero_pages():
+    cached = _cached()
+    assert cached <= NEAR_ZERO, f"--host-memory cache: the median step faulted {cached:g} pages"
+
+
+def test_cache_faults_far_less_than_a_release_run_that_faulted():
+    cached = _cached()
+    said, released = _faults_per_step("release")
+    assert said == "freed tensor memory returned to the system (glibc's default)"
+    if released < FAULTED:
+        pytest.skip(f"glibc's default kept this run's memory as well ({released:g} page faults per median step)")
+    assert cached < released / 10, f"cache: {cached:g} page faults per step, release: {released:g}"
 
 
 def test_another_preloaded_malloc_is_left_alone_and_named(monkeypatch):

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from polytrain.train.checkpoint import Checkpointer, atomic_save, capture_rng, load_checkpoint, restore_rng
+from polytrain.errors import ConfigError
+from polytrain.train.checkpoint import (Checkpointer, atomic_save, capture_rng, check_checkpoint_dir, load_checkpoint,
+                                         restore_rng)
 
 
 def test_save_keeps_newest_and_points_latest(tmp_path):
@@ -88,6 +90,20 @@ def test_atomic_save_replaces_whole_file(tmp_path):
 def test_foreign_file_is_rejected_clearly(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"hello": 1}, path)
-    from polytrain.errors import ConfigError
     with pytest.raises(ConfigError, match="is not a polytrain checkpoint"):
         load_checkpoint(path)
+
+
+def test_checkpoint_dir_is_created_and_left_without_the_probe(tmp_path):
+    target = tmp_path / "new" / "ckpt"
+    check_checkpoint_dir(str(target))
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["/proc/forbidden", "{tmp}/a-file/ckpt"])
+def test_a_directory_that_cannot_be_made_is_one_error(tmp_path, where):
+    # both fail for root too (this suite may run as root, for whom permission bits do not apply)
+    (tmp_path / "a-file").write_text("not a directory")
+    where = where.format(tmp=tmp_path)
+    with pytest.raises(ConfigError, match=rf"^--checkpoint-dir {where}: cannot create or write this directory"):
+        check_checkpoint_dir(where)

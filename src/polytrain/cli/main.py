@@ -9,6 +9,7 @@ from typing import Sequence
 from polytrain import __version__
 from polytrain.cli import bench as bench_cmd
 from polytrain.cli import devices as devices_cmd
+from polytrain.cli import generate as generate_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.errors import PolytrainError
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(sub)
     devices_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    generate_cmd.add_parser(sub)
     return parser
 
 

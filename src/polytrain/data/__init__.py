@@ -1,4 +1,5 @@
-"""Datasets: the packaged ``digits``, ``synthetic`` data of any shape, ``cifar10:DIR`` and user factories."""
+"""Datasets: the packaged ``digits`` and ``text``, ``synthetic`` data of any shape, ``cifar10:DIR``, ``text:FILE``,
+``sentences:FILE`` and user factories."""
 
 from polytrain.data.base import DataBundle, TensorData, example_uniform
 from polytrain.data.registry import available_datasets, build_data, check_data, register_dataset

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 from torch.utils.data import Dataset
 
-TASKS = ("classification", "binary")
+TASKS = ("classification", "binary", "lm")
 
 
 @dataclass
@@ -25,7 +25,10 @@ class DataBundle:
     """A dataset ready for training.
 
     ``task`` chooses the loss: ``classification`` (cross-entropy over ``num_classes`` logits, integer
-    targets) or ``binary`` (one logit, float 0/1 targets, binary cross-entropy).
+    targets), ``binary`` (one logit, float 0/1 targets, binary cross-entropy) or ``lm`` (next-token
+    prediction: (batch, time) token inputs and targets, ``num_classes`` = the vocabulary). Language-model
+    data also sets ``vocab_size`` and ``seq_len`` (the longest sequence of either split), and its datasets
+    have ``count_units(indices)``: the real (non-padding) target tokens of those examples.
     """
 
     name: str
@@ -35,6 +38,8 @@ class DataBundle:
     num_classes: int
     task: str = "classification"
     default_model: str = "mlp"
+    vocab_size: int | None = None
+    seq_len: int | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -43,6 +48,9 @@ class DataBundle:
 
     def describe(self) -> str:
         test = len(self.test) if self.test is not None else 0
+        if self.task == "lm":
+            return (f"{self.name}: {len(self.train)} train / {test} test sequences of up to {self.seq_len} tokens, "
+                    f"vocabulary {self.vocab_size}")
         shape = "x".join(map(str, self.input_shape))
         return f"{self.name}: {len(self.train)} train / {test} test examples, input {shape}, {self.num_classes} classes"
 

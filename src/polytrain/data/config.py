@@ -11,7 +11,8 @@ from polytrain.options import option, register_section
 @register_section("data", "data", order=30)
 @dataclass
 class DataConfig:
-    data: str = option("digits", "dataset: digits | synthetic[:k=v,...] | cifar10:DIR | package.module:factory",
+    data: str = option("digits", "dataset: digits | synthetic[:k=v,...] | cifar10:DIR | text[:FILE][,seq_len=N] | "
+                       "sentences:FILE | package.module:factory",
                        metavar="NAME")
     data_args: dict[str, Any] = option({}, "extra dataset argument (repeatable)", flag="--data-arg",
                                        metavar="KEY=VALUE", repeat=True)

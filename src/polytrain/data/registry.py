@@ -1,4 +1,5 @@
-"""Datasets by name (``digits``, ``synthetic``, ``cifar10:DIR``) plus user factories ``package.module:factory``.
+"""Datasets by name (``digits``, ``synthetic``, ``cifar10:DIR``, ``text[:FILE]``, ``sentences:FILE``) plus user
+factories ``package.module:factory``.
 
 A user factory returns a :class:`DataBundle`, or a ``(train, test)`` pair of map-style
 ``torch.utils.data.Dataset``s (``test`` may be None) whose items are ``(input, target)``; polytrain then
@@ -20,7 +21,9 @@ from torch.utils.data import Dataset
 from polytrain.data.base import DataBundle
 from polytrain.data.cifar10 import check_cifar10, cifar10
 from polytrain.data.digits import DIGITS_SIZE, TEST_SIZE, digits
+from polytrain.data.sentences import check_sentences, sentences
 from polytrain.data.synthetic import check_synthetic, synthetic
+from polytrain.data.text import check_text, text
 from polytrain.errors import ConfigError, DataError
 from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
 
@@ -44,6 +47,8 @@ _DATASETS: dict[str, DatasetEntry] = {
     "digits": DatasetEntry(digits, lambda test_size=TEST_SIZE: DIGITS_SIZE - test_size),
     "synthetic": DatasetEntry(synthetic, check_synthetic),
     "cifar10": DatasetEntry(cifar10, check_cifar10, positional="directory"),
+    "text": DatasetEntry(text, check_text, positional="file"),
+    "sentences": DatasetEntry(sentences, check_sentences, positional="file"),
 }
 
 

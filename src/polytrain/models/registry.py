@@ -17,11 +17,14 @@ from polytrain.options import option, register_section
 from polytrain.models.cifar_cnn import cifar_cnn
 from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
+from polytrain.models.rnn_lm import rnn_lm
+from polytrain.models.transformer_lm import transformer_lm
 from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
 
 ModelFactory = Callable[..., nn.Module]
 
-_MODELS: dict[str, ModelFactory] = {"cifar_cnn": cifar_cnn, "mlp": mlp, "digits_cnn": digits_cnn}
+_MODELS: dict[str, ModelFactory] = {"cifar_cnn": cifar_cnn, "mlp": mlp, "digits_cnn": digits_cnn, "rnn_lm": rnn_lm,
+                                    "transformer_lm": transformer_lm}
 
 
 def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
@@ -75,7 +78,7 @@ def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: t
 @register_section("model", "model", order=20)
 @dataclass
 class ModelConfig:
-    model: str = option("auto", "model: auto (the dataset's suggestion) | cifar_cnn | mlp | digits_cnn | "
-                        "package.module:factory; arguments as mlp:hidden=64x32", metavar="NAME")
+    model: str = option("auto", "model: auto (the dataset's suggestion) | cifar_cnn | mlp | digits_cnn | rnn_lm | "
+                        "transformer_lm | package.module:factory; arguments as mlp:hidden=64x32", metavar="NAME")
     model_args: dict[str, Any] = option({}, "extra model argument (repeatable)", flag="--model-arg",
                                         metavar="KEY=VALUE", repeat=True)

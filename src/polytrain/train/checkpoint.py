@@ -36,6 +36,22 @@ class CheckpointConfig:
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
 
 
+def check_checkpoint_dir(directory: str | None) -> None:
+    """Create ``directory`` and write and remove a probe file in it, before any worker starts: a directory
+    that cannot be written would otherwise fail every worker at its first save, one traceback each."""
+    if not directory:
+        return
+    path = Path(directory)
+    probe = path / f".polytrain-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {directory}: cannot create or write this directory "
+                          f"({exc.strerror or exc})") from None
+
+
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` to ``path`` so that ``path`` is either the old file or the complete new one."""
     path = Path(path)

@@ -20,6 +20,7 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.errors import ConfigError
 from polytrain.models.registry import resolve_model_factory
 from polytrain.strategies import get_strategy
+from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.trainer import train_worker
@@ -49,6 +50,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if data is None:
         _check_dataset_size(check_data(config.data.data, config.data.data_args), slices,
                             config.global_batch(slices))
+    check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return processes
 
 

@@ -1,35 +1,151 @@
-"""What a model's outputs are scored against: the loss and the accuracy for each kind of task."""
+"""What a model's outputs are scored against: the loss, the accuracy and the units they are averaged over.
+
+Every task answers the same questions, so a training step and an evaluation need no task-specific code:
+
+- ``loss(outputs, targets)``: the mean loss over the batch's *units* (the tensor to backpropagate);
+- ``units(targets)``: how many units the batch holds: examples for ``classification``/``binary``, real
+  (non-padding) target tokens for ``lm``. Slices of a global batch holding different numbers of units
+  are weighted by them, so that the mean over the whole batch is what every strategy minimises;
+- ``score_with_units(outputs, targets)``: (summed loss, correct count, units) as tensors, for evaluation;
+  ``score`` gives the first two (what the trainer unpacks today);
+- ``metrics(mean_loss, accuracy)``: the task's extra metrics (``perplexity`` for ``lm``).
+
+``outputs`` may be a tensor or a model's output object with ``.logits`` (the Hugging Face convention,
+see :func:`outputs_of`); :func:`model_loss_of` takes a model's own ``.loss`` instead (``--loss model``).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from polytrain.data.tokens import IGNORE_INDEX
 from polytrain.errors import ConfigError
+
+__all__ = ["IGNORE_INDEX", "TASKS", "ExampleTask", "LanguageModelTask", "Score", "Task", "get_task",
+           "model_loss_of", "outputs_of"]
+
+
+class Score(NamedTuple):
+    """One evaluation batch: summed loss, correct predictions and units (examples or real tokens)."""
+
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+    units: torch.Tensor
+
+
+def _field(output: Any, name: str) -> Any:
+    # Hugging Face's ModelOutput is both a Mapping and an object with attributes; plain dicts only the former
+    return output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+
+
+def outputs_of(model_output: Any) -> torch.Tensor:
+    """The logits in what a model returned: a tensor itself, or the ``.logits`` of an output object/dict."""
+    if isinstance(model_output, torch.Tensor):
+        return model_output
+    logits = _field(model_output, "logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ConfigError(f"the model returned {type(model_output).__name__}, not a tensor or an object with "
+                      ".logits; make its forward return the logits (or an output with .logits)")
+
+
+def model_loss_of(model_output: Any) -> torch.Tensor:
+    """The model's own loss (``--loss model``): ``.loss`` of an output object/dict."""
+    loss = None if isinstance(model_output, torch.Tensor) else _field(model_output, "loss")
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"--loss model: the model returned no loss ({type(model_output).__name__} without "
+                          ".loss); pass it the targets (Hugging Face models take labels=) or use the task's loss")
+    return loss
+
+
+class Task:
+    """The interface; see the module docstring."""
+
+    name: str
+
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def units(self, targets: torch.Tensor) -> int:
+        return len(targets)
+
+    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def score(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, correct count); ``score_with_units`` adds the units to divide both by."""
+        return tuple(self.score_with_units(outputs, targets)[:2])
+
+    def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
+        """Metrics beyond loss and accuracy, from their means over an evaluation."""
+        return {}
 
 
 @dataclass(frozen=True)
-class Task:
-    """``loss`` returns the mean over the batch; ``score`` returns (summed loss, correct count)."""
+class ExampleTask(Task):
+    """One prediction per example (classification, binary): the unit is the example."""
 
     name: str
     loss_fn: Callable[..., torch.Tensor]
     predict: Callable[[torch.Tensor], torch.Tensor]
     prepare_targets: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        outputs = outputs_of(outputs)
         return self.loss_fn(outputs, self.prepare_targets(outputs, targets))
 
     @torch.no_grad()
-    def score(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+        outputs = outputs_of(outputs)
         prepared = self.prepare_targets(outputs, targets)
         summed = self.loss_fn(outputs, prepared, reduction="sum")
         predicted = self.predict(outputs)
         correct = (predicted == prepared.view_as(predicted)).sum()
-        return summed, correct
+        return Score(summed, correct, torch.tensor(len(targets), device=outputs.device))
+
+
+class LanguageModelTask(Task):
+    """Next-token prediction: outputs (batch, time, vocab), targets (batch, time) with IGNORE_INDEX (-100)
+    at padded positions, which count nowhere: not in the loss, the accuracy, nor the units (tokens)."""
+
+    name = "lm"
+
+    @staticmethod
+    def _flat(outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = outputs_of(outputs)
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(targets.shape):
+            raise ConfigError(f"task lm: the model's outputs have shape {tuple(logits.shape)} for targets of shape "
+                              f"{tuple(targets.shape)}; a language model returns (batch, time, vocabulary)")
+        targets = targets.to(logits.device, torch.long, non_blocking=True)
+        return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        # the mean over real tokens (cross_entropy divides by the non-ignored count); a batch with none would
+        # be NaN, which the data never makes: every sequence has at least one real target token
+        logits, flat = self._flat(outputs, targets)
+        return F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX)
+
+    def units(self, targets: torch.Tensor) -> int:
+        return int((targets != IGNORE_INDEX).sum())
+
+    @torch.no_grad()
+    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+        logits, flat = self._flat(outputs, targets)
+        summed = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
+        real = flat != IGNORE_INDEX
+        correct = ((logits.argmax(dim=-1) == flat) & real).sum()
+        return Score(summed, correct, real.sum())
+
+    def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
+        # exp overflows a float past ~709; a perplexity that large means "no better than chance" anyway
+        return {"perplexity": math.exp(mean_loss) if mean_loss < 700 else math.inf}
 
 
 def _classification_targets(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -40,11 +156,12 @@ def _binary_targets(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return targets.to(outputs.device, outputs.dtype, non_blocking=True).view_as(outputs)
 
 
-TASKS = {
-    "classification": Task("classification", F.cross_entropy, lambda out: out.argmax(dim=-1),
-                           _classification_targets),
-    "binary": Task("binary", F.binary_cross_entropy_with_logits, lambda out: (out > 0).to(out.dtype),
-                   _binary_targets),
+TASKS: dict[str, Task] = {
+    "classification": ExampleTask("classification", F.cross_entropy, lambda out: out.argmax(dim=-1),
+                                  _classification_targets),
+    "binary": ExampleTask("binary", F.binary_cross_entropy_with_logits, lambda out: (out > 0).to(out.dtype),
+                          _binary_targets),
+    "lm": LanguageModelTask(),
 }
 
 

@@ -1,0 +1,103 @@
+"""``polytrain generate``: sample text from a trained ``rnn_lm``/``transformer_lm`` (or any byte-level LM).
+
+The weights come from ``--weights FILE`` (what ``train --save-model FILE`` wrote) or from the latest
+checkpoint in ``--checkpoint-dir DIR``, whose saved config also names the model and its arguments. The
+vocabulary and, for ``transformer_lm``, the number of positions are read from the weights themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DESCRIPTION = """\
+Print text sampled from a trained byte-level language model: the prompt, then --tokens more bytes
+(decoded as UTF-8; a cut character shows as U+FFFD). Give the weights with --weights FILE (from
+'polytrain train --save-model FILE', plus --model and the --model-arg values it was trained with) or with
+--checkpoint-dir DIR (its latest checkpoint; model and arguments come from the run's saved config)."""
+
+EXAMPLES = """\
+examples:
+  polytrain train --strategy single --data text --save-model lm.pt --steps 2000
+  polytrain generate --weights lm.pt --model transformer_lm --prompt "LOVE, n. " --tokens 300
+  polytrain generate --checkpoint-dir runs/lm --temperature 0.5 --seed 3
+"""
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("generate", help="sample text from a trained language model", description=DESCRIPTION,
+                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--weights", metavar="FILE", help="a state_dict written by 'polytrain train --save-model'")
+    source.add_argument("--checkpoint-dir", metavar="DIR", help="take the latest checkpoint of this run")
+    parser.add_argument("--model", help="rnn_lm | transformer_lm | package.module:factory, with arguments as in "
+                                        "train (default with --checkpoint-dir: the run's)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="model argument, as given to train (repeatable)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, start a new line)")
+    parser.add_argument("--tokens", type=int, default=200, metavar="N", help="bytes to generate (default: 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="softmax temperature; 0 always takes the likeliest byte (default: 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from polytrain.errors import ConfigError
+    from polytrain.models.sampling import sample_bytes
+
+    if args.tokens < 0:
+        raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
+    model = load_model(args)
+    prompt = args.prompt.encode("utf-8")
+    text = (prompt + sample_bytes(model, prompt, args.tokens, args.temperature, args.seed)).decode(
+        "utf-8", errors="replace")
+    sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
+    return 0
+
+
+def load_model(args: argparse.Namespace):
+    """The model the arguments name, with its trained weights loaded."""
+    from polytrain.errors import ConfigError
+    from polytrain.models.lm import shape_from_state
+    from polytrain.models.registry import build_model
+    from polytrain.specs import parse_assignments
+
+    state, saved = _read_weights(args)
+    spec = args.model or saved.get("model")
+    if not spec:
+        raise ConfigError("--model is needed with --weights: name the model the weights were trained as")
+    # the run's own arguments apply to the run's own model only
+    trained_with = dict(saved.get("model_args") or {}) if spec == saved.get("model") else {}
+    try:
+        model_args = {**trained_with, **parse_assignments(args.model_arg)}
+    except ValueError as exc:
+        raise ConfigError(f"--model-arg: {exc}") from None
+    shape = {"input_shape": (1,), "num_classes": 256, **shape_from_state(state)}
+    model = build_model(spec, model_args, **shape)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"the weights do not fit --model {spec} with these arguments ({first}); give the "
+                          "--model and --model-arg values the model was trained with") from None
+    return model
+
+
+def _read_weights(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state_dict, the run's saved config or {})."""
+    import torch
+
+    from polytrain.errors import ConfigError
+    from polytrain.train.checkpoint import Checkpointer
+
+    if args.weights:
+        try:
+            return torch.load(args.weights, map_location="cpu", weights_only=True), {}
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"--weights {args.weights}: cannot read it ({exc})") from None
+    state = Checkpointer(args.checkpoint_dir).load_latest()
+    if state is None:
+        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint there")
+    return state["model"], state.get("config", {})

@@ -1,0 +1,107 @@
+"""``sentences:FILE``: one sentence a line, each its own sequence of byte tokens (the PTB setting).
+
+Sentence ``s`` becomes the tokens ``\\n s \\n``: input ``\\n s``, target ``s \\n`` (the input shifted by one),
+so every byte of the sentence is predicted and so is its end; ``len(s) + 1`` real target tokens. The
+newline doubles as begin- and end-of-sentence, which byte tokens have no other room for. Blank lines are
+skipped. A batch is padded to its longest sentence (targets with IGNORE_INDEX, inputs with INPUT_PAD, see
+:mod:`polytrain.data.tokens`); ``count_units`` reads the stored lengths, so the real-token count of any
+set of examples (a whole global batch, say) costs one indexed sum and no communication.
+
+The test split is ``test_file`` if given, else the last ``test_fraction`` of the sentences.
+Example: ``sentences:ptb.train.txt,test_file=ptb.valid.txt``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from polytrain.data.base import DataBundle
+from polytrain.data.tokens import IGNORE_INDEX, INPUT_PAD, VOCAB_SIZE, check_fraction, read_utf8
+from polytrain.errors import DataError
+
+TEST_FRACTION = 0.1
+
+
+class Sentences(Dataset):
+    """Sentences of different lengths, stored as one token stream plus where each starts and its length."""
+
+    def __init__(self, lines: list[bytes]):
+        if not lines:
+            raise ValueError("no sentences")
+        # stream = \n s0 \n s1 \n ... : sentence i's window starts at its leading newline
+        self.stream = torch.frombuffer(bytearray(b"\n" + b"\n".join(lines) + b"\n"), dtype=torch.uint8)
+        #: real target tokens of each sentence (its bytes and its end)
+        self.lengths = torch.tensor([len(line) + 1 for line in lines], dtype=torch.int64)
+        self.starts = torch.cumsum(self.lengths, 0) - self.lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max())
+
+    @property
+    def max_token_id(self) -> int:
+        return int(self.stream.max())
+
+    def get_batch(self, indices: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of shape (len(indices), longest length among them), padded at the end."""
+        indices = indices.to(torch.int64)
+        lengths = self.lengths[indices]
+        steps = torch.arange(int(lengths.max()) if len(indices) else 0)
+        real = steps < lengths.unsqueeze(1)
+        # positions past a short sentence's end may run off the stream; they are masked below
+        at = (self.starts[indices].unsqueeze(1) + steps).clamp_max_(len(self.stream) - 2)
+        inputs = self.stream[at].to(torch.int64).masked_fill_(~real, INPUT_PAD)
+        targets = self.stream[at + 1].to(torch.int64).masked_fill_(~real, IGNORE_INDEX)
+        return inputs, targets
+
+    def count_units(self, indices: torch.Tensor) -> int:
+        return int(self.lengths[indices.to(torch.int64)].sum())
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.get_batch(torch.tensor([index]))
+        return x[0], y[0]
+
+
+def read_sentences(path: str) -> list[bytes]:
+    """The non-blank lines of a UTF-8 file, without their line endings."""
+    lines = [line.rstrip(b"\r") for line in read_utf8(path, "sentences").split(b"\n")]
+    kept = [line for line in lines if line.strip()]
+    if not kept:
+        raise DataError(f"sentences: {path} holds only blank lines")
+    return kept
+
+
+def _splits(file: str, test_file: str | None, test_fraction: float) -> tuple[Sentences, Sentences]:
+    lines = read_sentences(file)
+    if test_file is not None:
+        return Sentences(lines), Sentences(read_sentences(test_file))
+    cut = int(len(lines) * (1 - check_fraction(test_fraction, "sentences")))
+    if not 0 < cut < len(lines):
+        raise DataError(f"sentences: {file} has {len(lines)} sentence(s), too few to keep {test_fraction} of "
+                        "them for testing; add sentences or give test_file=FILE")
+    return Sentences(lines[:cut]), Sentences(lines[cut:])
+
+
+def _file(file: str | None) -> str:
+    if file is None:
+        raise DataError("sentences: name the file, e.g. --data sentences:ptb.train.txt")
+    return str(file)
+
+
+def check_sentences(file: str | None = None, test_file: str | None = None,
+                    test_fraction: float = TEST_FRACTION) -> int:
+    """Validate the file(s) (exist, not empty, UTF-8); the number of training sentences."""
+    return len(_splits(_file(file), test_file, test_fraction)[0])
+
+
+def sentences(file: str | None = None, test_file: str | None = None,
+              test_fraction: float = TEST_FRACTION) -> DataBundle:
+    train, test = _splits(_file(file), test_file, test_fraction)
+    longest = max(train.max_len, test.max_len)
+    return DataBundle(name=f"sentences:{file}", train=train, test=test, input_shape=(longest,),
+                      num_classes=VOCAB_SIZE, task="lm", default_model="rnn_lm", vocab_size=VOCAB_SIZE,
+                      seq_len=longest)

@@ -1,0 +1,119 @@
+"""``transformer_lm``: a GPT-style decoder written with torch.nn primitives and scaled_dot_product_attention.
+
+``embed`` (token + learned position embeddings) → ``blocks.0 … blocks.N-1`` (pre-norm: x + attn(ln(x)),
+x + mlp(ln(x))) → ``head`` (final norm, linear to the vocabulary). The repeated blocks sit in an
+``nn.ModuleList`` named ``blocks`` so placement and pipeline splits can name them (``--place
+blocks.0=cuda:0,blocks.2=cuda:1``); ``forward`` is just embed → each block → head.
+
+The default (4 layers, width 128, 4 heads, 128 positions, ~0.9 M parameters) trains on two CPU cores.
+``seq_len`` (the positions) defaults to the data's sequence length. Attention is causal
+(``is_causal=True``), so padding after a sequence's real tokens never reaches them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_INIT_STD = 0.02  # GPT-2's
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, dim: int, seq_len: int, dropout: float):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(seq_len, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.positions.num_embeddings:
+            raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len "
+                             f"{self.positions.num_embeddings}")
+        return self.drop(self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, dim = x.shape
+        q, k, v = (t.view(batch, time, self.heads, dim // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(dim, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, dim))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class TransformerLM(nn.Module):
+    """tokens (batch, time <= seq_len) -> logits (batch, time, vocab)."""
+
+    def __init__(self, vocab: int, layers: int, dim: int, heads: int, seq_len: int, dropout: float):
+        super().__init__()
+        self.vocab_size, self.max_seq_len = vocab, seq_len
+        self.embed = Embed(vocab, dim, seq_len, dropout)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.head = Head(dim, vocab)
+        self.apply(_init)
+        for block in self.blocks:  # GPT-2: residual projections scaled down with depth
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=_INIT_STD / math.sqrt(2 * layers))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=_INIT_STD)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def transformer_lm(input_shape: tuple[int, ...] = (128,), num_classes: int = 256, layers: int = 4, dim: int = 128,
+                   heads: int = 4, seq_len: int | None = None, dropout: float = 0.0,
+                   vocab: int | None = None) -> nn.Module:
+    """``seq_len`` defaults to the data's (``input_shape[0]``); ``vocab`` to ``num_classes``."""
+    vocab = num_classes if vocab is None else vocab
+    seq_len = (input_shape[0] if input_shape else 128) if seq_len is None else seq_len
+    if min(vocab, layers, dim, heads, seq_len) < 1:
+        raise ValueError(f"vocab, layers, dim, heads and seq_len must be >= 1, got {vocab}, {layers}, {dim}, "
+                         f"{heads}, {seq_len}")
+    if dim % heads:
+        raise ValueError(f"dim {dim} does not split into {heads} heads; use a dim divisible by heads")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    return TransformerLM(vocab, layers, dim, heads, seq_len, float(dropout))

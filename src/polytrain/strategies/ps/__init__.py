@@ -1,0 +1,14 @@
+"""Asynchronous data parallel through parameter servers (issue 14): plan, staleness policy, server, client.
+
+Not registered as a strategy yet: :mod:`polytrain.strategies` does not import this package.
+"""
+
+from polytrain.strategies.ps.book import ServerBook, UpdateRecord
+from polytrain.strategies.ps.client import ParameterClient
+from polytrain.strategies.ps.layout import Layout
+from polytrain.strategies.ps.partition import PartitionPlan, Piece, TensorSpec
+from polytrain.strategies.ps.server import ParameterServer
+from polytrain.strategies.ps.staleness import StalenessPolicy, global_clock
+
+__all__ = ["Layout", "ParameterClient", "ParameterServer", "PartitionPlan", "Piece", "ServerBook",
+           "StalenessPolicy", "TensorSpec", "UpdateRecord", "global_clock"]

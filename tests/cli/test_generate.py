@@ -1,0 +1,66 @@
+"""``polytrain generate`` on models that polytrain train saved."""
+
+import pytest
+
+import polytrain
+from polytrain.cli.main import main
+
+MODEL = "transformer_lm:layers=1,dim=16,heads=2"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen")
+    polytrain.fit(strategy="single", model=MODEL, data="text:seq_len=24", steps=3, batch_size=8, progress="off",
+                  eval_every=0, save_model=str(out / "lm.pt"), checkpoint_dir=str(out / "ckpt"))
+    polytrain.fit(strategy="single", model="rnn_lm", model_args={"hidden": 16, "layers": 1}, data="text:seq_len=24",
+                  steps=2, batch_size=8, progress="off", eval_every=0, checkpoint_dir=str(out / "rnn"))
+    return out
+
+
+def generate(capsys, *args):
+    code = main(["generate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_continues_the_prompt_and_repeats_with_the_seed(run_dir, capsys):
+    weights = ["--weights", str(run_dir / "lm.pt"), "--model", MODEL]
+    code, first, _ = generate(capsys, *weights, "--prompt", "LOVE, n.", "--tokens", "30", "--seed", "4")
+    assert code == 0 and first.startswith("LOVE, n.")
+    assert len(first.rstrip("\n").encode("utf-8", errors="surrogateescape")) >= len("LOVE, n.") + 1
+    assert generate(capsys, *weights, "--prompt", "LOVE, n.", "--tokens", "30", "--seed", "4")[1] == first
+    assert generate(capsys, *weights, "--prompt", "LOVE, n.", "--tokens", "30", "--seed", "5")[1] != first
+    greedy = [generate(capsys, *weights, "--tokens", "10", "--temperature", "0", "--seed", s)[1] for s in "12"]
+    assert greedy[0] == greedy[1]  # no sampling: the seed does not matter
+
+
+def test_prompts_longer_than_the_positions_use_the_last_ones(run_dir, capsys):
+    code, out, _ = generate(capsys, "--weights", str(run_dir / "lm.pt"), "--model", MODEL, "--prompt", "x" * 100,
+                            "--tokens", "5")
+    assert code == 0 and out.startswith("x" * 100)
+
+
+@pytest.mark.parametrize("run", ["ckpt", "rnn"])
+def test_a_checkpoint_names_its_own_model_and_arguments(run_dir, capsys, run):
+    code, out, err = generate(capsys, "--checkpoint-dir", str(run_dir / run), "--prompt", "A", "--tokens", "8")
+    assert code == 0 and out.startswith("A"), err
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line(run_dir, capsys):
+    code, out, err = generate(capsys, "--weights", str(run_dir / "lm.pt"), "--model",
+                              "transformer_lm:layers=2,dim=16,heads=2")
+    assert code == 2 and out == ""
+    assert err.startswith("polytrain: error: the weights do not fit --model transformer_lm:layers=2")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--weights", "lm.pt"], "--model is needed with --weights"),
+    (["--weights", "missing.pt", "--model", "rnn_lm"], "--weights missing.pt: cannot read it"),
+    (["--checkpoint-dir", "nowhere"], "--checkpoint-dir nowhere: no checkpoint there"),
+])
+def test_bad_sources_are_one_line(run_dir, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(run_dir)
+    code, _, err = generate(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from polytrain.data.batches import BatchPlan, Shard, ShardedBatches
+from polytrain.data.buckets import BucketedBatchPlan, batch_plan
+from polytrain.data.sentences import Sentences
+from polytrain.data.text import TokenWindows
+
+GEN = torch.Generator().manual_seed(0)
+DATA = Sentences([b"w" * int(n) for n in torch.randint(1, 60, (203,), generator=GEN)])
+
+
+def _padded_tokens(plan, steps):
+    return sum(len(idx) * int(DATA.lengths[idx].max()) for idx in map(plan.global_indices, range(steps)))
+
+
+def test_every_example_once_per_epoch_with_less_padding():
+    plan = batch_plan(DATA, 10, seed=1, bucket_window=5)
+    assert isinstance(plan, BucketedBatchPlan) and plan.steps_per_epoch == 20
+    for epoch in range(2):
+        seen = torch.cat([plan.global_indices(epoch * 20 + b) for b in range(20)])
+        assert len(seen) == 200 and len(set(seen.tolist())) == 200
+    plain = BatchPlan(len(DATA), 10, seed=1)
+    assert _padded_tokens(plan, 20) < 0.8 * _padded_tokens(plain, 20)
+    assert not torch.equal(plan.global_indices(0), plan.global_indices(20))  # epochs differ
+
+
+def test_the_order_is_a_function_of_the_seed_alone():
+    a, b = (batch_plan(DATA, 10, seed=3, bucket_window=4) for _ in range(2))
+    assert all(torch.equal(a.global_indices(s), b.global_indices(s)) for s in range(45))
+    other = batch_plan(DATA, 10, seed=4, bucket_window=4)
+    assert not all(torch.equal(a.global_indices(s), other.global_indices(s)) for s in range(20))
+
+
+def test_resumed_sharded_batches_equal_the_uninterrupted_ones():
+    plan = batch_plan(DATA, 8, seed=2, bucket_window=3)
+
+    def take(shard, start, count):
+        it = iter(ShardedBatches(DATA, plan, shard, torch.device("cpu"), start_step=start))
+        return [next(it) for _ in range(count)]
+
+    for shard in (Shard(0, 2), Shard(1, 2)):
+        whole, resumed = take(shard, 0, 30), take(shard, 23, 7)
+        assert all(torch.equal(w[2], r[2]) for w, r in zip(whole[23:], resumed))
+
+
+def test_fixed_windows_and_no_window_keep_the_plain_plan():
+    windows = TokenWindows(torch.zeros(100, dtype=torch.uint8), seq_len=9, stride=9)
+    assert type(batch_plan(windows, 4)) is BatchPlan
+    assert type(batch_plan(DATA, 4, bucket_window=None)) is BatchPlan
+    with pytest.raises(ValueError, match="lengths of all 5 examples"):
+        BucketedBatchPlan(5, 2, lengths=torch.ones(4))

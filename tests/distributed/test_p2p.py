@@ -1,0 +1,59 @@
+"""Channel on real gloo processes: tensors both ways, receive from any rank, and errors that name the peer."""
+
+import os
+
+import pytest
+import torch
+
+from polytrain.distributed.p2p import Channel
+from polytrain.errors import CommunicationError
+from tests.helpers.spawn import spawn
+
+TAG, DATA = 3, 4
+
+
+def exchange(ctx):
+    channel = Channel(ctx.topology.group, timeout=30)
+    if ctx.rank == 0:
+        got = {}
+        for _ in range(2):
+            kind, sender, a, b = channel.recv_header_any(TAG, "rank 1 or 2")
+            payload = channel.recv(torch.empty(a, dtype=torch.float64), sender, DATA)
+            got[sender] = (kind, b, payload.tolist())
+            channel.send(payload * 2, sender, DATA)
+        return got
+    payload = torch.arange(ctx.rank + 1, dtype=torch.float64)
+    channel.send_header(0, TAG, kind=7, a=payload.numel(), b=10 * ctx.rank)
+    channel.send(payload, 0, DATA)
+    return channel.recv(torch.empty_like(payload), 0, DATA).tolist()
+
+
+def test_headers_from_any_rank_then_values_from_that_rank():
+    results = spawn(exchange, 3, timeout=30)
+    assert results[0] == {1: (7, 10, [0.0, 1.0]), 2: (7, 20, [0.0, 1.0, 2.0])}
+    assert results[1] == [0.0, 2.0] and results[2] == [0.0, 2.0, 4.0]
+
+
+def silent_peer(ctx):
+    if ctx.rank == 0:
+        Channel(ctx.topology.group, timeout=1).recv_header_any(TAG, "rank 1")
+    else:  # waits (longer) for a message that never comes; stopped when rank 0 fails
+        Channel(ctx.topology.group, timeout=60).recv_header(0, TAG)
+
+
+def test_a_receive_that_times_out_names_the_peer():
+    with pytest.raises(CommunicationError, match=r"rank 0: no answer within 1 s while waiting for a message "
+                                                 r"from rank 1; it died or hangs"):
+        spawn(silent_peer, 2, timeout=30)
+
+
+def exiting_peer(ctx):
+    channel = Channel(ctx.topology.group, timeout=60, names=lambda r: f"peer {r}")
+    if ctx.rank == 1:
+        os._exit(1)
+    channel.recv_header(1, TAG)
+
+
+def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
+    with pytest.raises(CommunicationError, match="peer 0: connection lost while waiting for peer 1; it exited"):
+        spawn(exiting_peer, 2, timeout=30)
