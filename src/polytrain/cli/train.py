@@ -74,5 +74,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     per_rank = f" (per rank {' / '.join(f'{v:.0f}' for v in ranks)})" if len(ranks) > 1 else ""
     return (f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s with {summary['strategy']} on "
             f"{summary['workers']} worker(s)\n"
-            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}\n"
+            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
+            + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else "") + "\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}")

@@ -30,7 +30,7 @@ from torch import nn
 from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
-from polytrain.strategies.step import StepResult, forward_backward, units_of
+from polytrain.strategies.step import StepResult, forward_backward
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ROLES = ("trainer", "server")
@@ -182,11 +182,8 @@ class Strategy:
         """(summed loss, correct, units) of one evaluation batch as a float64 tensor on the device; None on
         a rank that computes no loss. The trainer sums these over :attr:`trainers`."""
         assert self.model is not None
-        scored = self.task.score(self.model(inputs), targets)
-        loss_sum, correct = scored[0], scored[1]
-        units = scored[2] if len(scored) > 2 else units_of(self.task, targets)
         device = self.topology.device
-        return torch.stack([torch.as_tensor(v, device=device).double() for v in (loss_sum, correct, units)])
+        return torch.stack([v.to(device).double() for v in self.task.score(self.model(inputs), targets)])
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""

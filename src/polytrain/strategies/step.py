@@ -28,12 +28,6 @@ class StepResult:
     examples: int
 
 
-def units_of(task: Any, targets: torch.Tensor) -> int:
-    """How many units of the task's loss ``targets`` hold (examples unless the task counts otherwise)."""
-    units = getattr(task, "units", None)
-    return int(units(targets)) if units is not None else len(targets)
-
-
 def loss_divisor(global_units: int, replicas: int, units: int) -> float:
     """What the mean loss of a micro-batch of ``units`` is divided by so that it weighs its share of a global
     batch of ``global_units``, when the exchange averages the gradients of ``replicas`` ranks."""
@@ -54,7 +48,7 @@ def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, a
     pieces = list(zip(batch.inputs.chunk(accumulate), batch.targets.chunk(accumulate)))
     for i, (x, y) in enumerate(pieces):
         with grad_sync(model, i == len(pieces) - 1):
-            loss = task.loss(model(x), y) / loss_divisor(batch.global_units, replicas, units_of(task, y))
+            loss = task.loss(model(x), y) / loss_divisor(batch.global_units, replicas, task.units(y))
             backward(loss)
         total += loss.detach().to(total.device)
     return total

@@ -26,6 +26,7 @@ from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
+from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.strategies import Strategy, get_strategy
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
@@ -137,6 +138,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
             config.model.model = data.default_model
         model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                             num_classes=data.num_outputs)
+    check_lm_compat(data, model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     task = get_task(data.task)

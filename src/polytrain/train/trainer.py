@@ -129,11 +129,13 @@ class Trainer:
                                                     meter.mean_loss, self.guard.first_bad()))
         self._stop_if_diverged([bad for *_, bad in per_rank])
         losses = [loss for _, _, loss, _ in per_rank if loss is not None]  # the ranks that hold the loss
+        loss = sum(losses) / len(losses) if losses else None
         return {
             "step": step,
             "epoch": round(step / s.plan.steps_per_epoch, 4),
             # a slice's loss is already weighed by its share of the global batch
-            "loss": sum(losses) / len(losses) if losses else None,
+            "loss": loss,
+            **(s.task.metrics(loss, None) if loss is not None else {}),
             "lr": lr,
             "examples_per_sec": round(meter.steps_per_sec() * s.plan.global_batch, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
@@ -159,7 +161,7 @@ class Trainer:
         s.model.train(was_training)
         loss_sum, correct, count = sums.tolist()
         result = (loss_sum / max(count, 1), correct / max(count, 1))
-        run_log.evaluation(step, *result)
+        run_log.evaluation(step, *result, s.task.metrics(*result))
         return result
 
     def _checkpoint(self, step: int) -> None:
@@ -184,11 +186,13 @@ class Trainer:
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         s = self.s
         eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
+        eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
         return {
             "steps": step,
             "train_loss": train_loss,
             "eval_loss": eval_loss,
             "eval_accuracy": eval_accuracy,
+            **eval_extra,
             "examples_per_sec": round(totals.steps_per_sec() * s.plan.global_batch, 2),
             "rank_examples_per_sec": self.topology.all_gather_object(round(totals.busy_examples_per_sec(), 2)),
             "strategy": self.config.train.strategy,
