@@ -18,10 +18,14 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     override ``config``: ``fit(model="mlp", data="digits", strategy="sync", workers=2, steps=100)``.
 
     ``model`` and ``data`` are names/specs like the flags, or objects: an ``nn.Module`` and a
-    :class:`DataBundle`, which are pickled to every worker process.
+    :class:`DataBundle`, which are pickled to every worker process. ``strategy`` is a registered name, or a
+    :class:`Strategy` subclass defined at module level (every worker imports it by name).
     """
     from polytrain.train.run import run
 
+    chosen = settings.get("strategy")
+    if isinstance(chosen, type) and issubclass(chosen, Strategy):  # a class: named so workers import it
+        settings["strategy"] = f"{chosen.__module__}:{chosen.__qualname__}"
     for key, value in (("model", model), ("data", data)):
         if isinstance(value, str):
             settings[key] = value

@@ -8,24 +8,23 @@ and what it accepts. ``to_toml`` writes a file that ``--config`` reads back to t
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from polytrain.data.config import DataConfig
-from polytrain.devices.config import DeviceConfig
-from polytrain.distributed.launch import LaunchConfig
+# each import registers its components' config sections (and the built-in strategies theirs)
+import polytrain.data.config  # noqa: F401
+import polytrain.devices.config  # noqa: F401
+import polytrain.distributed.launch  # noqa: F401
+import polytrain.models.registry  # noqa: F401
+import polytrain.strategies  # noqa: F401
+import polytrain.train.checkpoint  # noqa: F401
+import polytrain.train.config  # noqa: F401
+import polytrain.train.loggers  # noqa: F401
+import polytrain.train.optim  # noqa: F401
 from polytrain.errors import ConfigError
-from polytrain.models.registry import ModelConfig
-from polytrain.options import OptionInfo, convert, section_options
-from polytrain.strategies.sync import SyncConfig
-from polytrain.train.checkpoint import CheckpointConfig
-from polytrain.train.loggers import LogConfig
-from polytrain.train.optim import OptimConfig
-from polytrain.train.trainer import TrainConfig
+from polytrain.options import OptionInfo, convert, registered_sections, section_options
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,19 +32,21 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-@dataclass
 class RunConfig:
-    """Every setting of a training run, grouped by the component it configures."""
+    """Every setting of a training run, one attribute per registered section (``config.train.steps``,
+    ``config.sync.comm``, ...), each the section's dataclass."""
 
-    train: TrainConfig = field(default_factory=TrainConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    def __init__(self, **sections: Any):
+        for section in registered_sections():
+            setattr(self, section.name, sections.pop(section.name, None) or section.cls())
+        if sections:
+            raise TypeError(f"unknown config sections: {', '.join(sections)}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunConfig) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return f"RunConfig({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     def flat(self) -> dict[str, Any]:
         """``{key: value}`` over all sections (keys are unique across sections)."""
@@ -56,21 +57,19 @@ class RunConfig:
         return data.worker_batch_size * workers if data.worker_batch_size else int(data.batch_size)
 
 
-SECTION_TITLES = {
-    "train": "training", "model": "model", "data": "data", "optim": "optimizer and learning rate",
-    "device": "devices and placement", "launch": "workers and launcher", "sync": "strategy sync",
-    "checkpoint": "checkpoints", "log": "logging",
-}
-
 #: pairs of settings of which a run uses one; the higher-precedence source wins, the same source may not set both
 EXCLUSIVE = (("steps", "epochs"), ("batch_size", "worker_batch_size"), ("place", "placement"))
 
 
 def all_options() -> list[OptionInfo]:
     out: list[OptionInfo] = []
-    for f in dataclasses.fields(RunConfig):
-        out += section_options(f.name, f.default_factory)  # type: ignore[arg-type,misc]
+    for section in registered_sections():
+        out += section_options(section.name, section.cls)
     return out
+
+
+def section_titles() -> dict[str, str]:
+    return {section.name: section.title for section in registered_sections()}
 
 
 _BY_KEY = {info.key: info for info in all_options()}
@@ -151,7 +150,7 @@ def to_toml(config: RunConfig, *, comment: str = "") -> str:
     for info in all_options():
         by_section.setdefault(info.section, []).append(info)
     for section, infos in by_section.items():
-        lines.append(f"\n# -- {SECTION_TITLES.get(section, section)}")
+        lines.append(f"\n# -- {section_titles()[section]}")
         for info in infos:
             value = getattr(getattr(config, section), info.key)
             lines.append(f"{info.key} = {_toml_value(value)}" if value is not None else f"# {info.key} = (unset)")

@@ -1,9 +1,11 @@
-"""Typed config fields shared by every component's dataclass config.
+"""Typed config fields shared by every component's dataclass config, and the registry of config sections.
 
-Each component (trainer, optimizer, checkpoints, launcher, ...) declares its settings as a dataclass whose
-fields are made with :func:`option`. The field's name is its TOML key and, with dashes, its CLI flag, so
-``batch_size = 64`` in a config file and ``--batch-size 64`` mean the same thing. ``polytrain.config``
-collects the sections, builds the argument parser and merges defaults < config file < flags.
+Each component (trainer, optimizer, checkpoints, launcher, a strategy, ...) declares its settings as a
+dataclass whose fields are made with :func:`option`, and registers it as a section with
+:func:`register_section` next to the component. The field's name is its TOML key and, with dashes, its
+CLI flag, so ``batch_size = 64`` in a config file and ``--batch-size 64`` mean the same thing.
+``polytrain.config`` collects the registered sections, builds the argument parser and merges
+defaults < config file < flags; adding a component edits no central file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from polytrain.specs import parse_assignments
 
 def option(
     default: Any,
-    help: str,
+    help: str | Callable[[], str],
     *,
     choices: Sequence[str] | None = None,
     minimum: float | None = None,
@@ -42,6 +44,37 @@ def option(
 
 
 @dataclass(frozen=True)
+class Section:
+    """A registered config section: ``RunConfig.<name>`` holds a ``cls()``; ``title`` heads its --help group."""
+
+    name: str
+    cls: type
+    title: str
+    order: int
+
+
+_SECTIONS: dict[str, Section] = {}
+
+
+def register_section(name: str, title: str, *, order: int = 50) -> Callable[[type], type]:
+    """Class decorator for a component's config dataclass: its fields become settings of every run, in
+    section ``name`` (sections are listed by ``order``, then name). A name is taken once."""
+
+    def register(cls: type) -> type:
+        taken = _SECTIONS.get(name)
+        if taken is not None and taken.cls.__qualname__ != cls.__qualname__:
+            raise ValueError(f"config section '{name}' is taken by {taken.cls.__module__}.{taken.cls.__qualname__}")
+        _SECTIONS[name] = Section(name, cls, title, order)
+        return cls
+
+    return register
+
+
+def registered_sections() -> list[Section]:
+    return sorted(_SECTIONS.values(), key=lambda s: (s.order, s.name))
+
+
+@dataclass(frozen=True)
 class OptionInfo:
     """One setting: its key, flag, type and the dataclass section it lives in."""
 
@@ -54,6 +87,12 @@ class OptionInfo:
     @property
     def flag(self) -> str:
         return self.meta.get("flag") or "--" + self.key.replace("_", "-")
+
+    @property
+    def help(self) -> str:
+        """The help text; a callable ``help`` is asked each time (e.g. the registered strategies)."""
+        text = self.meta["help"]
+        return text() if callable(text) else text
 
 
 def describe(value: Any) -> str:

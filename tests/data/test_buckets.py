@@ -41,7 +41,7 @@ def test_resumed_sharded_batches_equal_the_uninterrupted_ones():
 
     for shard in (Shard(0, 2), Shard(1, 2)):
         whole, resumed = take(shard, 0, 30), take(shard, 23, 7)
-        assert all(torch.equal(w[2], r[2]) for w, r in zip(whole[23:], resumed))
+        assert all(torch.equal(w.targets, r.targets) for w, r in zip(whole[23:], resumed))
 
 
 def test_fixed_windows_and_no_window_keep_the_plain_plan():

@@ -16,9 +16,9 @@ MISSING = f"cuda:{cuda_device_count() + 1}"  # a GPU index no machine running th
 
 
 def test_device_config_lives_next_to_its_component_and_in_the_run_config():
-    import polytrain.config
+    from polytrain.options import registered_sections
 
-    assert polytrain.config.DeviceConfig is DeviceConfig
+    assert {section.name: section.cls for section in registered_sections()}["device"] is DeviceConfig
     config = resolve({}, {"device": "/gpu:1", "place": "features=cuda:0", "soft_placement": "true",
                           "gpu_memory_fraction": "0.5", "log_placement_steps": "2"})
     assert isinstance(config.device, DeviceConfig)

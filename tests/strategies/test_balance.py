@@ -8,9 +8,9 @@ from polytrain.strategies.balance import (
     Balancer,
     BalancePolicy,
     equal_split,
-    loss_divisor,
     proportional_split,
 )
+from polytrain.strategies.step import loss_divisor
 
 
 def _measured(seconds_per_example, sizes):
@@ -89,9 +89,8 @@ def test_weighted_slices_give_the_gradient_of_the_whole_batch():
 
     whole = grad(loss_fn(model(x), y))
     workers, sizes = 3, (13, 4, 7)
-    equal = 24 // workers
     starts = [0, 13, 17]
-    per_rank = [grad(loss_fn(model(x[s:s + n]), y[s:s + n]) / loss_divisor(equal, n)) for s, n in zip(starts, sizes)]
+    per_rank = [grad(loss_fn(model(x[s:s + n]), y[s:s + n]) / loss_divisor(24, workers, n)) for s, n in zip(starts, sizes)]
     averaged = sum(per_rank) / workers
     torch.testing.assert_close(averaged, whole, rtol=1e-6, atol=1e-7)
-    assert loss_divisor(64, 16) == 4.0  # equal slices, 4 micro-batches: exactly the old division by K
+    assert loss_divisor(2 * 64, 2, 16) == 4.0  # equal slices, 4 micro-batches: exactly the old division by K

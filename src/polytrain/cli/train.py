@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from polytrain.config import SECTION_TITLES, all_options, options_by_section, read_toml, resolve, to_toml
+from polytrain.config import all_options, options_by_section, read_toml, resolve, section_titles, to_toml
 
 DESCRIPTION = """\
 Train a model. Settings come from built-in defaults, then --config FILE.toml (keys named like the flags,
@@ -30,7 +30,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved settings as TOML (a valid --config file) and exit")
     for section, infos in options_by_section():
-        group = parser.add_argument_group(SECTION_TITLES.get(section, section))
+        group = parser.add_argument_group(section_titles()[section])
         for info in infos:
             group.add_argument(info.flag, dest=info.key, **_argument_kwargs(info))
     parser.set_defaults(handler=run)
@@ -40,8 +40,8 @@ def _argument_kwargs(info: Any) -> dict[str, Any]:
     meta = info.meta
     default = "" if info.default in (None, {}, []) else f" (default: {str(info.default).lower() if isinstance(info.default, bool) else info.default})"
     if info.type == "bool":
-        return {"action": argparse.BooleanOptionalAction, "help": meta["help"] + default}
-    kwargs: dict[str, Any] = {"help": meta["help"] + default, "metavar": meta["metavar"] or info.key.upper()}
+        return {"action": argparse.BooleanOptionalAction, "help": info.help + default}
+    kwargs: dict[str, Any] = {"help": info.help + default, "metavar": meta["metavar"] or info.key.upper()}
     if meta["choices"]:
         kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
     if meta["repeat"]:
@@ -74,5 +74,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     per_rank = f" (per rank {' / '.join(f'{v:.0f}' for v in ranks)})" if len(ranks) > 1 else ""
     return (f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s with {summary['strategy']} on "
             f"{summary['workers']} worker(s)\n"
-            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}\n"
+            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
+            + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else "") + "\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}")

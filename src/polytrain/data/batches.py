@@ -11,12 +11,30 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+
 _EPOCH_STRIDE = 1_000_003  # keeps the per-epoch permutation seeds of nearby run seeds apart
+
+
+@dataclass
+class Batch:
+    """This rank's part of global step ``step``; unpacks as ``(step, inputs, targets)``."""
+
+    step: int
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    #: the task's units (examples; real tokens for ``lm``) in the whole global batch, over every slice
+    global_units: int
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.step, self.inputs, self.targets))
+
+    def __len__(self) -> int:
+        return len(self.inputs)
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,8 @@ class _StepSampler(Sampler[list[int]]):
 
 
 class ShardedBatches:
-    """This worker's batches for global steps ``start_step ..``, as ``(step, x, y)`` on ``device``.
+    """This worker's batches for global steps ``start_step ..``, as :class:`Batch` objects on ``device``
+    (they unpack as ``(step, x, y)``).
 
     In-memory datasets with ``get_batch`` are indexed in one op; other map-style datasets go through a
     ``DataLoader`` (``num_workers`` loader processes) fed by the same plan. ``shard`` is this worker's
@@ -125,21 +144,21 @@ class ShardedBatches:
         self.dataset, self.plan, self.device = dataset, plan, device
         self.start_step, self.num_workers = start_step, num_workers
 
-    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         if hasattr(self.dataset, "get_batch"):
             yield from self._direct()
         else:
             yield from self._loader()
 
-    def _direct(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _direct(self) -> Iterator[Batch]:
         step = self.start_step
         while True:
-            indices = self.shard_at(step).take(self.plan.global_indices(step))
-            x, y = self.dataset.get_batch(indices, self.plan.position(step)[0])
-            yield step, self._to_device(x), self._to_device(y)
+            everyone = self.plan.global_indices(step)
+            x, y = self.dataset.get_batch(self.shard_at(step).take(everyone), self.plan.position(step)[0])
+            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone))
             step += 1
 
-    def _loader(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _loader(self) -> Iterator[Batch]:
         step = self.start_step
         per_epoch = self.plan.steps_per_epoch
         while True:
@@ -147,8 +166,13 @@ class ShardedBatches:
             loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard_at, step, epoch_end),
                                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda")
             for x, y in loader:
-                yield step, self._to_device(x), self._to_device(y)
+                yield Batch(step, self._to_device(x), self._to_device(y), self._units(self.plan.global_indices(step)))
                 step += 1
+
+    def _units(self, everyone: torch.Tensor) -> int:
+        """The loss units of the whole global batch: what the dataset counts (real tokens), else examples."""
+        count = getattr(self.dataset, "count_units", None)
+        return int(count(everyone)) if count is not None else len(everyone)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if t.device != self.device else t

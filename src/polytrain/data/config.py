@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 
+@register_section("data", "data", order=30)
 @dataclass
 class DataConfig:
     data: str = option("digits", "dataset: digits | synthetic[:k=v,...] | cifar10:DIR | text[:FILE][,seq_len=N] | "

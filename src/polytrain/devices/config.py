@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from polytrain.devices.plan import PlacementPlan
 from polytrain.devices.spec import QUIET, parse_device, resolve_device
 from polytrain.errors import DeviceError
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 
 def _check_device(text: str) -> None:
@@ -35,6 +35,7 @@ def _check_fraction(value: float) -> None:
         raise ValueError(f"must be in (0, 1], got {value}")
 
 
+@register_section("device", "devices and placement", order=50)
 @dataclass
 class DeviceConfig:
     device: str = option("cpu", "device per worker: cpu | cpu:N (N CPU workers) | cuda | cuda:N | cuda:0,1 | mps | "

@@ -34,7 +34,7 @@ from polytrain.distributed.supervisor import describe_exception, send_report, st
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.log import setup_logging
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -44,6 +44,7 @@ def _check_workers(value: str) -> None:
         raise ValueError(f"must be a whole number >= 1 or 'auto', got '{value}'")
 
 
+@register_section("launch", "workers and launcher", order=60)
 @dataclass
 class LaunchConfig:
     workers: str = option("2", "worker processes: N, or auto (one per CPU core; one per GPU with --device cuda)",

@@ -1,18 +1,25 @@
-"""The one object that says where this process stands: rank, world, device and process group.
+"""The one object that says where this process stands: rank, world, device, process groups and mesh axes.
 
 It is created once per worker by the launcher and passed explicitly to strategies and the trainer;
 polytrain keeps no module-level process-group state. Collectives on it time out (the group's timeout)
 and are no-ops in a single process, so the same training code runs with and without a group.
+
+A strategy arranges the world into named axes (:meth:`Topology.arranged`): ``dp`` (data-parallel replicas,
+each taking a slice of the global batch) and ``pp`` (pipeline stages), on a ``DeviceMesh``. Data slices and
+the groups that metrics are reduced over come from the ``dp`` axis; nothing counts processes for that.
+Without an arrangement every process is its own data-parallel replica (``dp`` = world size, ``pp`` = 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+AXES = ("dp", "pp")
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,9 @@ class Topology:
     backend: str | None = None
     group: Any = None  # torch.distributed.ProcessGroup; None in a single process without a group
     timeout: timedelta = timedelta(minutes=5)
+    #: sizes of the named axes, in mesh order (empty: dp = world size, pp = 1)
+    axes: tuple[tuple[str, int], ...] = ()
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh over ``axes`` once arranged
 
     @property
     def is_main(self) -> bool:
@@ -37,8 +47,64 @@ class Topology:
     def describe(self) -> str:
         if not self.distributed:
             return f"1 process on {self.device}"
-        return (f"{self.world_size} processes ({self.local_world_size} on this machine), "
-                f"backend {self.backend}, rank {self.rank} on {self.device}")
+        layout = " x ".join(f"{name} {size}" for name, size in self.axes if size > 1)
+        return (f"{self.world_size} processes ({self.local_world_size} on this machine"
+                f"{'; ' + layout if layout and len(self.axes) > 1 else ''}), backend {self.backend}, "
+                f"rank {self.rank} on {self.device}")
+
+    # -- named axes --------------------------------------------------------------------------------
+
+    def arranged(self, **sizes: int) -> "Topology":
+        """This topology with the world laid out as a mesh of the named axes (``dp=2, pp=2``); a collective
+        in a process group (every rank builds the same mesh). Axes not named have size 1."""
+        unknown = set(sizes) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; known: {', '.join(AXES)}")
+        shape = tuple((name, int(sizes.get(name, 1))) for name in AXES)
+        product = 1
+        for _, size in shape:
+            product *= size
+        if product != self.world_size:
+            raise ValueError(f"axes {dict(shape)} hold {product} processes, but the world has {self.world_size}")
+        mesh = None
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+            # a 1-D axis spanning the world reuses the world group: DDP and the metrics keep their group
+            mesh = init_device_mesh(self.device.type, tuple(size for _, size in shape),
+                                    mesh_dim_names=tuple(name for name, _ in shape))
+        return replace(self, axes=shape, mesh=mesh)
+
+    def axis_size(self, axis: str) -> int:
+        self._known(axis)
+        if not self.axes:
+            return self.world_size if axis == "dp" else 1
+        return dict(self.axes)[axis]
+
+    def axis_rank(self, axis: str) -> int:
+        """This process's coordinate along ``axis``."""
+        self._known(axis)
+        if self.mesh is None:
+            return self.rank if axis == "dp" and not self.axes else 0
+        return self.mesh.get_local_rank(axis)
+
+    def axis_group(self, axis: str) -> Any:
+        """The process group of the ranks that differ from this one only along ``axis`` (None: alone)."""
+        self._known(axis)
+        if self.mesh is None:
+            return self.group if axis == "dp" and not self.axes else None
+        return self.mesh.get_group(axis)
+
+    def along(self, axis: str) -> "Topology":
+        """A view of the ranks along ``axis`` as a topology of their own (rank = coordinate), for
+        collectives over that axis: e.g. the data-parallel replicas that average metrics."""
+        size = self.axis_size(axis)
+        group = self.axis_group(axis) if size > 1 else None
+        return replace(self, rank=self.axis_rank(axis), world_size=size, group=group, axes=(), mesh=None)
+
+    @staticmethod
+    def _known(axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"unknown axis '{axis}'; known: {', '.join(AXES)}")
 
     # -- collectives used by the trainer; tensors must be on self.device for NCCL --------------------
 
@@ -46,6 +112,12 @@ class Topology:
         """Sum ``tensor`` over all ranks, in place; returns it."""
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Minimum of ``tensor`` over all ranks, in place; returns it."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -59,7 +131,8 @@ class Topology:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        # src counts within this topology's group; torch >= 2.4 takes a global rank
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]
 
     def barrier(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from polytrain.errors import ConfigError
-from polytrain.options import option
+from polytrain.options import option, register_section
 from polytrain.models.cifar_cnn import cifar_cnn
 from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
@@ -75,6 +75,7 @@ def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: t
     return model
 
 
+@register_section("model", "model", order=20)
 @dataclass
 class ModelConfig:
     model: str = option("auto", "model: auto (the dataset's suggestion) | cifar_cnn | mlp | digits_cnn | rnn_lm | "

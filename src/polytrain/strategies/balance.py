@@ -6,7 +6,8 @@ other worker waits for the slow one. :class:`Balancer` gives each worker a slice
 proportion to its measured speed, so that all of them finish at about the same time.
 
 The update stays exactly the one of single-device training on the whole batch: worker ``r`` with ``n_r``
-of ``B`` examples scales its mean loss by ``N * n_r / B`` (see :func:`loss_divisor`), so the averaged
+of ``B`` examples scales its mean loss by ``N * n_r / B`` (the generic step's
+:func:`polytrain.strategies.step.loss_divisor`, which weighs any slice by its units), so the averaged
 gradient is ``sum_r n_r / B * grad(mean loss of r)`` = the gradient of the mean loss over all ``B``.
 Only the grouping of floating-point sums changes, as with any other split.
 
@@ -112,9 +113,3 @@ class Balancer:
         assert self.per_example is not None
         return max(n * t for n, t in zip(sizes, self.per_example))
 
-
-def loss_divisor(equal_slice: int, examples: int) -> float:
-    """What a micro-batch's mean loss is divided by so that ``examples`` of them weigh their share of the
-    global batch, when every worker's gradient counts ``1/N`` (DDP's average) and the equal slice is
-    ``equal_slice``. For equal slices split into K micro-batches it is exactly ``K``."""
-    return equal_slice / examples

@@ -1,24 +1,39 @@
 """The Strategy protocol and the name registry.
 
-A strategy decides how one model trains across processes and devices. The trainer talks to it through a
-few calls, in this order every step: ``data_shard`` (once: which slice of each global batch this process
-loads), ``grad_sync`` (around each micro-batch's backward: whether gradients are exchanged now),
-``backward`` and ``optimizer_step``. Model set-up goes through ``prepare_model`` and saving through
-``unwrap``. Strategies are chosen by name (``--strategy sync``); the trainer never asks which one it has.
+A strategy owns everything that differs between ways of training one model over processes and devices:
+
+* the layout (:meth:`Strategy.processes`, :meth:`Strategy.arrange`): how many processes ``--workers N``
+  needs, and how they lie on the named ``dp``/``pp`` axes;
+* each rank's :attr:`~Strategy.role`: ``trainer`` ranks run the trainer's loop, ``server`` ranks run
+  :meth:`~Strategy.serve` instead;
+* the model and optimizer (:meth:`~Strategy.prepare`), the step (:meth:`~Strategy.train_step`: micro-batches,
+  forward, backward, exchange, update), evaluation (:meth:`~Strategy.eval_step`), and the whole model's
+  state (:meth:`~Strategy.state_dict`, strategy-neutral: what ``single`` saves, loadable by any strategy);
+* which ranks hold the loss (:attr:`StepResult.loss` is None elsewhere) and the group the trainer reduces
+  metrics over (:attr:`~Strategy.trainers`).
+
+The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
+overrides the exchange. Strategies are chosen by name (``--strategy sync``) or as ``package.module:Class``;
+the trainer never asks which one it has.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-from typing import Any, Callable, ClassVar, ContextManager, Iterator
+import importlib
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from polytrain.data.batches import BatchPlan, Shard, ShardedBatches
+from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
+from polytrain.strategies.step import StepResult, forward_backward
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+ROLES = ("trainer", "server")
 
 
 class Strategy:
@@ -28,39 +43,147 @@ class Strategy:
     summary: ClassVar[str] = ""
     #: whether the strategy needs one process per worker (False: it runs in the launching process)
     multiprocess: ClassVar[bool] = False
-    #: the RunConfig section holding this strategy's own options, if any
+    #: the RunConfig section holding this strategy's own options (registered with ``register_section``)
     config_section: ClassVar[str] = ""
 
     def __init__(self, topology: Topology, options: Any = None):
-        self.topology = topology
+        self.topology = self.arrange(topology)
         self.options = options
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.task: Any = None
+        self.accumulate = 1
+        #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
+        self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
+
+    # -- layout, checked before any process starts -------------------------------------------------
 
     @classmethod
-    def processes(cls, workers: int) -> int:
+    def processes(cls, workers: int, options: Any = None) -> int:
         """How many processes to launch for ``--workers N``."""
         return workers if cls.multiprocess else 1
 
     @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int) -> None:
-        """Validate settings before any process starts; raise ConfigError with the fix."""
-        per = global_batch // cls.processes(workers)
+    def data_slices(cls, workers: int, options: Any = None) -> int:
+        """How many slices each global batch is cut into (the size of the ``dp`` axis)."""
+        return cls.processes(workers, options)
+
+    @classmethod
+    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
+        """Validate settings before any process starts; raise ConfigError with the fix. ``workers`` is
+        ``--workers``, resolved to a number; ``global_batch`` the examples of one global batch."""
+        cls.check_batch(cls.data_slices(workers, options), global_batch, accumulate)
+
+    @staticmethod
+    def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
+        """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""
+        if slices > 1 and global_batch % slices:
+            raise ConfigError(
+                f"--batch-size {global_batch} does not divide over {slices} workers; pass a multiple of "
+                f"{slices}, or --worker-batch-size B for B examples per worker"
+            )
+        per = global_batch // slices
         if per % accumulate:
             raise ConfigError(f"each worker's batch ({per}) must be divisible by --accumulate ({accumulate})")
 
+    def arrange(self, topology: Topology) -> Topology:
+        """The world laid out on named axes; by default every process is a data-parallel replica."""
+        return topology.arranged(dp=topology.world_size) if topology.distributed else topology
+
+    @property
+    def role(self) -> str:
+        """``trainer`` (runs the trainer's loop) or ``server`` (runs :meth:`serve`)."""
+        return "trainer"
+
+    @property
+    def trainers(self) -> Topology:
+        """The trainer ranks as a topology of their own: metrics, evaluation and the NaN guard are
+        reduced over it, and its rank 0 logs."""
+        return self.topology
+
+    def serve(self) -> dict[str, Any]:
+        """A server rank's whole loop; returns its summary."""
+        raise NotImplementedError(f"strategy {self.name} has no server ranks")
+
+    # -- data ---------------------------------------------------------------------------------------
+
     def data_shard(self) -> Shard:
-        return Shard(0, 1)
+        """This rank's equal slice of each global batch, from its place on the ``dp`` axis."""
+        return Shard(self.topology.axis_rank("dp"), self.topology.axis_size("dp"))
 
     def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
                     deterministic: bool = False) -> Shard | Callable[[int], Shard]:
-        """The trainer's slices: the fixed ``data_shard()``, or a function giving each step's (a strategy that
-        re-splits batches as it goes). Called once, after ``prepare_model``."""
+        """The slices the trainer draws: the fixed ``data_shard()``, or a function giving each step's (a
+        strategy that re-splits batches as it goes). Called once, after ``prepare``."""
         return self.data_shard()
 
+    def sharded_batches(self, dataset: Any, plan: BatchPlan, shards: Shard | Callable[[int], Shard] | None = None,
+                        start_step: int = 0, data_workers: int = 0) -> ShardedBatches:
+        """This rank's batches of ``plan``, as :class:`Batch` objects on its device: the one path by which
+        the trainer and an own loop (:meth:`batches`) draw data."""
+        return ShardedBatches(dataset, plan, self.data_shard() if shards is None else shards,
+                              self.topology.device, start_step, data_workers)
+
+    def batches(self, dataset: Any, batch_size: int, *, steps: int | None = None, epochs: int | None = None,
+                seed: int = 0, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This process's part of each global batch of ``batch_size`` examples, on this process's device,
+        the same slices the trainer takes. Stops after ``steps`` optimizer steps or ``epochs`` passes (one
+        epoch if neither is given)."""
+        plan = BatchPlan(len(dataset), batch_size, seed)
+        shard = self.data_shard()
+        if batch_size % shard.count:
+            raise ConfigError(f"batch size {batch_size} does not divide over {shard.count} workers")
+        total = steps if steps is not None else (epochs or 1) * plan.steps_per_epoch
+        for batch in self.sharded_batches(dataset, plan, shard, start_step):
+            if batch.step >= total:
+                return
+            yield batch.inputs, batch.targets
+
+    # -- model and optimizer -----------------------------------------------------------------------
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        """This rank's model on its device (wrapped for the exchange where the strategy needs it)."""
         return model.to(self.topology.device)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
+    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, task: Any = None,
+                accumulate: int = 1, place: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        """Take ``model`` (built alike on every rank), move and wrap it, let ``place`` put its sub-modules
+        where the user asked, and build the optimizer over what this rank updates. Returns this rank's model."""
+        self.model = self.prepare_model(model)
+        if place is not None:
+            place(self.model)
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.task, self.accumulate = task, accumulate
+        return self.model
+
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """The plain module under any wrapper (DDP) of ``model`` (default: the prepared one)."""
+        return self.model if model is None else model
+
+    def set_lr(self, lr: float) -> None:
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> StepResult:
+        """One optimizer step on this rank's slice: forward, backward, exchange, update."""
+        assert self.model is not None and self.optimizer is not None, "call prepare() first"
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(self.model, batch, self.task, self.topology.axis_size("dp"), self.accumulate,
+                                self.grad_sync, self.backward)
+        with self.phase("optimizer"):
+            self.optimizer_step(self.optimizer)
+        return StepResult(loss, len(batch))
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """(summed loss, correct, units) of one evaluation batch as a float64 tensor on the device; None on
+        a rank that computes no loss. The trainer sums these over :attr:`trainers`."""
+        assert self.model is not None
+        device = self.topology.device
+        return torch.stack([v.to(device).double() for v in self.task.score(self.model(inputs), targets)])
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""
@@ -76,33 +199,41 @@ class Strategy:
         """Seconds this rank spent waiting for other ranks since the last call (for per-rank throughput)."""
         return 0.0
 
+    # -- the whole model's state -------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's ``state_dict`` as ``single`` would save it, on the trainers' rank 0 (None on
+        other ranks). Collective: every rank calls it."""
+        return self.unwrap().state_dict() if self.trainers.is_main else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Model and optimizer, strategy-neutral, on the trainers' rank 0 (None elsewhere). Collective."""
+        model = self.model_state_dict()
+        assert self.optimizer is not None
+        optimizer = self.optimizer.state_dict() if self.trainers.is_main else None
+        return None if model is None else {"model": model, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (every rank gets the same ``state``)."""
+        assert self.optimizer is not None
+        self.unwrap().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def describe(self) -> str:
         return f"{self.name}: {self.topology.describe()}"
-
-    def batches(self, dataset: Any, batch_size: int, *, steps: int | None = None, epochs: int | None = None,
-                seed: int = 0, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This process's part of each global batch of ``batch_size`` examples, on this process's device.
-
-        Stops after ``steps`` optimizer steps or ``epochs`` passes (one epoch if neither is given).
-        """
-        plan = BatchPlan(len(dataset), batch_size, seed)
-        shard = self.data_shard()
-        if batch_size % shard.count:
-            raise ConfigError(f"batch size {batch_size} does not divide over {shard.count} workers")
-        total = steps if steps is not None else (epochs or 1) * plan.steps_per_epoch
-        for step, x, y in ShardedBatches(dataset, plan, shard, self.topology.device, start_step):
-            if step >= total:
-                return
-            yield x, y
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available as ``--strategy cls.name``."""
+    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        taken = _REGISTRY[cls.name]
+        raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
+                         f"give {cls.__module__}.{cls.__qualname__} another name")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -112,10 +243,25 @@ def available_strategies() -> list[str]:
 
 
 def get_strategy(name: str) -> type[Strategy]:
+    """The strategy registered as ``name``, or the class ``package.module:Class`` (imported, so a strategy
+    defined in your own module works in every spawned worker too)."""
+    if ":" in name:
+        return _import_strategy(name)
     try:
         return _REGISTRY[name]
     except KeyError:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
-                          f"{', '.join(available_strategies())}") from None
+                          f"{', '.join(available_strategies())}, or package.module:Class") from None
+
+
+def _import_strategy(spec: str) -> type[Strategy]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--strategy {spec}: cannot import it ({exc})") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"--strategy {spec}: not a polytrain.Strategy subclass")
+    return found

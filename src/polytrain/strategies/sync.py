@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from polytrain.data.batches import Shard
 from polytrain.distributed.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
-from polytrain.options import option
+from polytrain.options import option, register_section
 from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import Strategy, register_strategy
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -39,6 +39,7 @@ COMM_CHOICES = ("auto", "shm", "backend")
 BALANCE_CHOICES = ("auto", "on", "off")
 
 
+@register_section("sync", "strategy sync", order=70)
 @dataclass
 class SyncConfig:
     sync_batchnorm: bool = option(False, "sync: BatchNorm statistics over the global batch (SyncBatchNorm)")
@@ -72,18 +73,6 @@ class SyncDataParallel(Strategy):
         self._step_started: float | None = None
         self._compute_end: float | None = None
         self._slice = 0  # examples this rank took in the current step
-
-    @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int) -> None:
-        if global_batch % workers:
-            raise ConfigError(
-                f"--batch-size {global_batch} does not divide over {workers} workers; pass a multiple of "
-                f"{workers}, or --worker-batch-size B for B examples per worker"
-            )
-        super().check(workers, global_batch, accumulate)
-
-    def data_shard(self) -> Shard:
-        return Shard(self.topology.rank, self.topology.world_size)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         opts = self.options
@@ -167,7 +156,8 @@ class SyncDataParallel(Strategy):
         self._slice = balancer.sizes[topo.rank]
         return Shard(topo.rank, topo.world_size, balancer.sizes)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        model = self.model if model is None else model
         return model.module if isinstance(model, DistributedDataParallel) else model
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from polytrain.errors import ConfigError
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 FORMAT = "polytrain.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 LATEST = "latest"
 
 
+@register_section("checkpoint", "checkpoints", order=80)
 @dataclass
 class CheckpointConfig:
     checkpoint_dir: str | None = option(None, "directory for periodic checkpoints", metavar="DIR")

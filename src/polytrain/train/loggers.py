@@ -20,11 +20,12 @@ from typing import Any
 from torch import nn
 
 from polytrain.log import get_logger
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 PROGRESS = ("auto", "bar", "lines", "off")
 
 
+@register_section("log", "logging", order=90)
 @dataclass
 class LogConfig:
     log_every: int = option(10, "log loss, lr and throughput every N steps", minimum=1, metavar="N")
@@ -88,6 +89,8 @@ class RunLog:
         step = record["step"]
         if self._tb is not None:
             self._tb.add_scalar("train/loss", record["loss"], step)
+            if "perplexity" in record:
+                self._tb.add_scalar("train/perplexity", record["perplexity"], step)
             self._tb.add_scalar("train/lr", record["lr"], step)
             self._tb.add_scalar("perf/examples_per_sec", record["examples_per_sec"], step)
             self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
@@ -111,15 +114,21 @@ class RunLog:
         if self._bar is not None:
             self._bar.update(steps)
 
-    def evaluation(self, step: int, loss: float, accuracy: float | None) -> None:
+    def evaluation(self, step: int, loss: float, accuracy: float | None, extra: dict[str, float] | None = None) -> None:
+        """An evaluation's mean loss and accuracy, and the task's ``extra`` metrics (perplexity)."""
         if not self.enabled:
             return
-        self._write({"event": "eval", "step": step, "eval_loss": loss, "eval_accuracy": accuracy})
+        extra = extra or {}
+        self._write({"event": "eval", "step": step, "eval_loss": loss, "eval_accuracy": accuracy,
+                     **{f"eval_{k}": v for k, v in extra.items()}})
         if self._tb is not None:
             self._tb.add_scalar("eval/loss", loss, step)
             if accuracy is not None:
                 self._tb.add_scalar("eval/accuracy", accuracy, step)
-        self.info(f"eval at step {step}: loss {loss:.4f}  accuracy {_fmt(accuracy, '.4f')}")
+            for key, value in extra.items():
+                self._tb.add_scalar(f"eval/{key}", value, step)
+        more = "".join(f"  {key} {value:.4g}" for key, value in extra.items())
+        self.info(f"eval at step {step}: loss {loss:.4f}  accuracy {_fmt(accuracy, '.4f')}{more}")
 
     def histograms(self, model: nn.Module, step: int) -> None:
         """Weights and (when present) gradients of every parameter, to TensorBoard."""

@@ -7,11 +7,12 @@ from typing import Iterable
 
 import torch
 
-from polytrain.options import option
+from polytrain.options import option, register_section
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 
 
+@register_section("optim", "optimizer and learning rate", order=40)
 @dataclass
 class OptimConfig:
     optimizer: str = option("sgd", "optimizer", choices=OPTIMIZERS)

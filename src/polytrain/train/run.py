@@ -7,10 +7,11 @@ one clear error line instead of N failing workers.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
+from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.registry import check_data
 from polytrain.devices.config import check_device_config
@@ -21,21 +22,21 @@ from polytrain.models.registry import resolve_model_factory
 from polytrain.strategies import get_strategy
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
+from polytrain.train.session import strategy_options
 from polytrain.train.trainer import train_worker
 
-if TYPE_CHECKING:
-    from polytrain.config import RunConfig
 
-
-def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBundle | None = None) -> int:
+def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> int:
     """Validate ``config`` without starting anything; return the number of worker processes."""
     strategy = get_strategy(config.train.strategy)
+    options = strategy_options(config, strategy)
     parse_device(config.device.device)
     workers = resolve_workers(config.launch.workers, config.device.device)
-    processes = strategy.processes(workers)
+    processes = strategy.processes(workers, options)
+    slices = strategy.data_slices(workers, options)  # what the session's dp axis will be
     check_device_config(config.device, processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
-    strategy.check(processes, config.global_batch(processes), config.train.accumulate)
+    strategy.check(workers, config.global_batch(slices), config.train.accumulate, options)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")
@@ -47,8 +48,8 @@ def check(config: "RunConfig", *, model: nn.Module | None = None, data: DataBund
     if model is None and config.model.model != "auto":
         resolve_model_factory(config.model.model)
     if data is None:
-        _check_dataset_size(check_data(config.data.data, config.data.data_args), processes,
-                            config.global_batch(processes))
+        _check_dataset_size(check_data(config.data.data, config.data.data_args), slices,
+                            config.global_batch(slices))
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return processes
 
@@ -64,7 +65,7 @@ def _check_dataset_size(train_size: int | None, processes: int, global_batch: in
                           "use a smaller batch")
 
 
-def run(config: "RunConfig", *, model: nn.Module | None = None,
+def run(config: RunConfig, *, model: nn.Module | None = None,
         data: DataBundle | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
     (None in the other processes of a torchrun job)."""

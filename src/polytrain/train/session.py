@@ -1,8 +1,9 @@
 """Everything a run needs, built from the config in a fixed order, and resumed from a checkpoint.
 
-Order: seed → data → strategy and shard → batch plan → model (moved to the worker's device and wrapped by
-the strategy, then its sub-modules placed by ``--place``/``--placement``) → optimizer and LR schedule →
-checkpoint resume. Every rank builds the same thing from the same seed.
+Order: seed → data → strategy (which lays the world out on its axes) and this rank's data slice → batch
+plan → model (prepared by the strategy: moved to the worker's device and wrapped, its sub-modules placed by
+``--place``/``--placement``, the optimizer built over what this rank updates) → LR schedule → checkpoint
+resume. Every rank builds the same thing from the same seed.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from polytrain.config import RunConfig, to_toml
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import BatchPlan, Shard
 from polytrain.devices.host_memory import describe_host_memory
@@ -24,15 +26,13 @@ from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
+from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.strategies import Strategy, get_strategy
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from polytrain.train.optim import build_optimizer
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
 from polytrain.train.tasks import Task, get_task
-
-if TYPE_CHECKING:
-    from polytrain.config import RunConfig
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
 RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
@@ -47,15 +47,14 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Session:
-    config: "RunConfig"
+    config: RunConfig
     topology: Topology
     data: DataBundle
     strategy: Strategy
     shard: Shard
     plan: BatchPlan
-    model: nn.Module
+    model: nn.Module  # this rank's prepared model (wrapped, or a pipeline stage)
     task: Task
-    optimizer: torch.optim.Optimizer
     schedule: Schedule
     total_steps: int
     checkpointer: Checkpointer | None
@@ -73,25 +72,35 @@ class Session:
         return self.config.flat()
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.strategy.optimizer
+
+    @property
     def config_toml(self) -> str:
-        from polytrain.config import to_toml
         return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
 
-    def state_dict(self, step: int) -> dict[str, Any]:
-        """Checkpoint contents. Collective: every rank must call it (RNG states are gathered)."""
+    def state_dict(self, step: int) -> dict[str, Any] | None:
+        """Checkpoint contents, on the trainers' rank 0 (None elsewhere). Collective over the trainer ranks:
+        the strategy gathers the whole model and optimizer, the session every trainer's RNG states."""
+        trainers = self.strategy.trainers
         epoch, batch = self.plan.position(step)
+        model_and_optimizer = self.strategy.state_dict()
+        rng = trainers.all_gather_object(capture_rng())
+        if not trainers.is_main:
+            return None
+        assert model_and_optimizer is not None
         return {
-            "model": self.strategy.unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **model_and_optimizer,
             "schedule": str(self.schedule),
             "data_position": {"epoch": epoch, "batch": batch, "global_batch": self.plan.global_batch},
-            "rng": self.topology.all_gather_object(capture_rng()),
-            "world_size": self.topology.world_size,
+            "rng": rng,
+            "world_size": trainers.world_size,
+            "strategy": self.config.train.strategy,
             "config": self.config_flat,
         }
 
     def describe(self) -> str:
-        cfg, unwrapped = self.config, self.strategy.unwrap(self.model)
+        cfg, unwrapped = self.config, self.strategy.unwrap()
         params = sum(p.numel() for p in unwrapped.parameters())
         per_worker = self.plan.global_batch // self.shard.count
         batch = f"{self.plan.global_batch}" + (f" = {self.shard.count} x {per_worker}" if self.shard.count > 1 else "")
@@ -107,7 +116,7 @@ class Session:
         return "\n".join(lines)
 
 
-def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = None,
+def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = None,
           data: DataBundle | None = None) -> Session:
     config = copy.deepcopy(config)
     seed_everything(config.train.seed)
@@ -115,10 +124,10 @@ def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = 
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
     strategy_cls = get_strategy(config.train.strategy)
-    strategy = strategy_cls(topology, getattr(config, strategy_cls.config_section, None))
+    strategy = strategy_cls(topology, strategy_options(config, strategy_cls))
     shard = strategy.data_shard()
     global_batch = config.global_batch(shard.count)
-    strategy_cls.check(shard.count, global_batch, config.train.accumulate)
+    strategy_cls.check_batch(shard.count, global_batch, config.train.accumulate)
     try:
         plan = BatchPlan(len(data.train), global_batch, config.train.seed)
     except ValueError as exc:
@@ -129,50 +138,57 @@ def build(config: "RunConfig", topology: Topology, *, model: nn.Module | None = 
             config.model.model = data.default_model
         model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                             num_classes=data.num_outputs)
-    model = strategy.prepare_model(model)
+    check_lm_compat(data, model, config.model.model)
     devices = _device_runtime(config, topology)
-    _place(devices, config, topology, strategy, model)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
+    task = get_task(data.task)
+    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), task,
+                             config.train.accumulate, place=lambda m: _place(devices, config, strategy, m))
+    strategy.phase = devices.phase
     schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
-    optimizer = build_optimizer(model.parameters(), config.optim, lr)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
                     if config.checkpoint.checkpoint_dir else None)
     step_shards = strategy.step_shards(global_batch, config.train.accumulate, config.data.data_workers,
                                        config.train.deterministic)
-    session = Session(config, topology, data, strategy, shard, plan, model, get_task(data.task), optimizer,
-                      schedule, total_steps, checkpointer, step_shards, devices=devices)
+    session = Session(config, topology, data, strategy, shard, plan, model, task, schedule, total_steps,
+                      checkpointer, step_shards, devices=devices)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
     return session
 
 
-def _device_runtime(config: "RunConfig", topology: Topology) -> DeviceRuntime:
+def strategy_options(config: RunConfig, strategy_cls: type[Strategy]) -> Any:
+    """The config section of ``strategy_cls``'s own options (None if it has none)."""
+    return getattr(config, strategy_cls.config_section, None) if strategy_cls.config_section else None
+
+
+def _device_runtime(config: RunConfig, topology: Topology) -> DeviceRuntime:
     dev = config.device
     return DeviceRuntime(soft=dev.soft_placement, log_placement=dev.log_placement, rank=topology.rank,
                          local_rank=topology.local_rank, log_dir=config.log.log_dir,
                          gpu_memory_fraction=dev.gpu_memory_fraction)
 
 
-def _place(devices: DeviceRuntime, config: "RunConfig", topology: Topology, strategy: Strategy,
-           model: nn.Module) -> None:
-    """Place the sub-modules of this worker's model (already on ``topology.device``) as the plan says.
+def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model: nn.Module) -> None:
+    """Place the sub-modules of this worker's model (already on its device) as the plan says.
 
-    After the strategy's ``prepare_model``, which moves the whole model to the worker's device (placing
-    before would be undone). A strategy that wraps the model (DDP) has built its gradient buckets on that
-    device by then, so with one the plan may not move parameters elsewhere.
+    Called by the strategy's ``prepare`` after it moved the whole model to the worker's device (placing
+    before would be undone) and before the optimizer is built. A strategy that wraps the model (DDP) has
+    built its gradient buckets on that device by then, so with one the plan may not move parameters elsewhere.
     """
+    home = strategy.topology.device
     unwrapped = strategy.unwrap(model)
-    devices.prepare(unwrapped, config.device.plan(), home=topology.device)
-    if unwrapped is not model and model_devices(unwrapped) not in ([], [topology.device]):
+    devices.prepare(unwrapped, config.device.plan(), home=home)
+    if unwrapped is not model and model_devices(unwrapped) not in ([], [home]):
         spread = ", ".join(str(d) for d in model_devices(unwrapped))
         raise DeviceError(f"--strategy {config.train.strategy} keeps one whole replica per worker on its device "
-                          f"({topology.device}), but the placement puts this worker's model on {spread}; "
+                          f"({home}), but the placement puts this worker's model on {spread}; "
                           "use --strategy single for layers on several devices, or place them on "
-                          f"{topology.device}")
+                          f"{home}")
 
 
-def _build_data(config: "RunConfig") -> DataBundle:
+def _build_data(config: RunConfig) -> DataBundle:
     from polytrain.data.registry import build_data
     return build_data(config.data.data, config.data.data_args, seed=config.train.seed)
 
@@ -180,8 +196,8 @@ def _build_data(config: "RunConfig") -> DataBundle:
 def _resume(s: Session) -> None:
     if s.checkpointer is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    topo = s.topology
-    state = topo.broadcast_object(s.checkpointer.load_latest() if topo.is_main else None)
+    trainers = s.strategy.trainers
+    state = trainers.broadcast_object(s.checkpointer.load_latest() if trainers.is_main else None)
     if state is None:
         s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
         return
@@ -193,12 +209,11 @@ def _resume(s: Session) -> None:
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
-    s.strategy.unwrap(s.model).load_state_dict(state["model"])
-    s.optimizer.load_state_dict(state["optimizer"])
+    s.strategy.load_state_dict(state)
     s.start_step = int(state["step"])
-    if len(state["rng"]) == topo.world_size:
-        restore_rng(state["rng"][topo.rank])
+    if len(state["rng"]) == trainers.world_size:
+        restore_rng(state["rng"][trainers.rank])
     else:
-        s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {topo.world_size}: "
+        s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
     s.log.info(f"resumed from step {s.start_step} ({s.checkpointer.latest()})")

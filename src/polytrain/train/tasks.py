@@ -6,8 +6,7 @@ Every task answers the same questions, so a training step and an evaluation need
 - ``units(targets)``: how many units the batch holds: examples for ``classification``/``binary``, real
   (non-padding) target tokens for ``lm``. Slices of a global batch holding different numbers of units
   are weighted by them, so that the mean over the whole batch is what every strategy minimises;
-- ``score_with_units(outputs, targets)``: (summed loss, correct count, units) as tensors, for evaluation;
-  ``score`` gives the first two (what the trainer unpacks today);
+- ``score(outputs, targets)``: (summed loss, correct count, units) as tensors, for evaluation;
 - ``metrics(mean_loss, accuracy)``: the task's extra metrics (``perplexity`` for ``lm``).
 
 ``outputs`` may be a tensor or a model's output object with ``.logits`` (the Hugging Face convention,
@@ -75,13 +74,8 @@ class Task:
     def units(self, targets: torch.Tensor) -> int:
         return len(targets)
 
-    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+    def score(self, outputs: Any, targets: torch.Tensor) -> Score:
         raise NotImplementedError
-
-    @torch.no_grad()
-    def score(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, correct count); ``score_with_units`` adds the units to divide both by."""
-        return tuple(self.score_with_units(outputs, targets)[:2])
 
     def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
         """Metrics beyond loss and accuracy, from their means over an evaluation."""
@@ -102,7 +96,7 @@ class ExampleTask(Task):
         return self.loss_fn(outputs, self.prepare_targets(outputs, targets))
 
     @torch.no_grad()
-    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+    def score(self, outputs: Any, targets: torch.Tensor) -> Score:
         outputs = outputs_of(outputs)
         prepared = self.prepare_targets(outputs, targets)
         summed = self.loss_fn(outputs, prepared, reduction="sum")
@@ -136,7 +130,7 @@ class LanguageModelTask(Task):
         return int((targets != IGNORE_INDEX).sum())
 
     @torch.no_grad()
-    def score_with_units(self, outputs: Any, targets: torch.Tensor) -> Score:
+    def score(self, outputs: Any, targets: torch.Tensor) -> Score:
         logits, flat = self._flat(outputs, targets)
         summed = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
         real = flat != IGNORE_INDEX

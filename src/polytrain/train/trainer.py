@@ -1,63 +1,52 @@
 """The trainer: builds data, model, strategy and optimizer from a config and runs the loop.
 
-:class:`Trainer` runs inside one worker process (``polytrain.launch`` starts the workers). Each step:
-set the scheduled LR → forward/backward on this worker's slice (``forward_backward``) → stop on a NaN/inf
-loss → optimizer step → log, evaluate, checkpoint at their intervals. The
-compute of each step runs inside the session's device runtime (``s.devices``): the per-operator placement
-log on the first step(s) with ``--log-placement``, the CPU fallback with ``--soft-placement``, and errors
-naming the device of an operator it lacks.
+:class:`Trainer` runs inside one worker process (``polytrain.launch`` starts the workers). A rank whose
+strategy gives it the ``server`` role runs the strategy's server loop instead. On a trainer rank, each
+step: set the scheduled LR → the strategy's step on this rank's slice of the global batch (forward,
+backward, exchange, update: ``strategy.train_step``) → note a NaN/inf loss on the device → log, evaluate,
+checkpoint at their intervals. The trainer never asks which strategy it has.
+
+Nothing in a step waits for the device: losses are read at log points. A non-finite loss is found there
+(or before anything is written: evaluation, checkpoint, saved model), over every trainer rank at once, and
+the run stops naming the first bad step; no checkpoint or saved model ever holds a diverged step's
+parameters. The compute of each step runs inside the session's device runtime (``s.devices``): the
+per-operator placement log, the CPU fallback with ``--soft-placement``, and errors naming the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.batches import ShardedBatches, eval_batches
+from polytrain.data.batches import eval_batches
 from polytrain.distributed.topology import Topology
-from polytrain.options import option
+from polytrain.errors import DivergedError
 from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save
 from polytrain.train.loggers import RunLog
-from polytrain.train.metrics import IntervalMeter, check_finite
-from polytrain.train.optim import set_lr
-from polytrain.train.step import forward_backward
-
-if TYPE_CHECKING:
-    from polytrain.config import RunConfig
-
-
-@dataclass
-class TrainConfig:
-    strategy: str = option("sync", "parallel strategy: single | sync", metavar="NAME")
-    steps: int | None = option(None, "optimizer steps to train (or --epochs)", minimum=1, metavar="N")
-    epochs: int | None = option(10, "passes over the training set (or --steps)", minimum=1, metavar="E")
-    accumulate: int = option(1, "split each worker's batch into K micro-batches (gradient accumulation)",
-                             minimum=1, metavar="K")
-    seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
-    eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
-                             metavar="N")
-    eval_batch_size: int = option(256, "examples per evaluation batch per worker", minimum=1, metavar="N")
-    save_model: str | None = option(None, "write the trained model's state_dict here (torch.save)",
-                                    metavar="FILE")
-    deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")
+from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
 
 
 class Trainer:
     """Trains one model as ``config`` says, in this worker process."""
 
-    def __init__(self, config: "RunConfig", topology: Topology | None = None, *,
+    def __init__(self, config: RunConfig, topology: Topology | None = None, *,
                  model: nn.Module | None = None, data: DataBundle | None = None):
         self.config = config
-        self.topology = topology or Topology()
-        self.s = session.build(config, self.topology, model=model, data=data)
+        self.s = session.build(config, topology or Topology(), model=model, data=data)
+        self.strategy = self.s.strategy
+        #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
+        self.topology = self.strategy.trainers
 
     def fit(self) -> dict[str, Any]:
+        if self.strategy.role != "trainer":
+            return self.strategy.serve()
         s, cfg = self.s, self.config
         started = time.perf_counter()
         run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main)
@@ -72,37 +61,29 @@ class Trainer:
             run_log.close()
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
-        s, cfg, topo = self.s, self.config, self.topology
-        batches = iter(ShardedBatches(s.data.train, s.plan, s.step_shards, topo.device, s.start_step,
-                                      cfg.data.data_workers))
-        equal_slice = s.plan.global_batch // s.shard.count
+        s, cfg, strategy = self.s, self.config, self.strategy
+        batches = iter(strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step,
+                                                cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
+        self.guard = DivergenceGuard(self.topology.device)
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
         last_interval_loss: float | None = None
         step = s.start_step
         while step < s.total_steps:
             lr = s.schedule(step)
-            set_lr(s.optimizer, lr)
+            strategy.set_lr(lr)
             tick = time.perf_counter()
-            _, inputs, targets = next(batches)
-            s.optimizer.zero_grad(set_to_none=True)
+            batch = next(batches)
             with s.devices.step_context(step):
-                local_loss = forward_backward(s.model, inputs, targets, s.task, s.strategy, cfg.train.accumulate,
-                                              equal_slice)
+                result = strategy.train_step(batch)
                 with s.devices.phase("loss"):
-                    # checked here, on each rank, without a collective: the averaged gradients carry a NaN
-                    # to every rank, and the first rank to see one stops the job. The average over ranks
-                    # is taken when the loss is logged (a per-step all-reduce cost ~5% of a CPU step)
-                    loss = local_loss.item()
-                    check_finite(loss, step + 1)
-                with s.devices.phase("optimizer"):
-                    s.strategy.optimizer_step(s.optimizer)
+                    self.guard.observe(result.loss, step + 1)
             done = step + 1
             elapsed = time.perf_counter() - tick
-            waited = s.strategy.take_wait_seconds()
-            meter.add(len(inputs), elapsed, waited, loss)
-            totals.add(len(inputs), elapsed, waited, loss)
+            waited = strategy.take_wait_seconds()
+            meter.add(result.examples, elapsed, waited, result.loss)
+            totals.add(result.examples, elapsed, waited, result.loss)
             run_log.advance()
             step = done
             if done % cfg.log.log_every == 0 or done == s.total_steps:
@@ -111,7 +92,7 @@ class Trainer:
                 last_interval_loss = record["loss"]
                 meter = IntervalMeter()
             if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
-                run_log.histograms(s.strategy.unwrap(s.model), done)
+                run_log.histograms(strategy.unwrap(), done)
             if s.data.test is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 \
                     and done != s.total_steps:
                 last_eval = self._evaluate(run_log, done)
@@ -125,67 +106,93 @@ class Trainer:
         self._save_model()
         return self._summary(step, totals, last_interval_loss, last_eval)
 
+    def _check_finite(self) -> None:
+        """Stop at the first non-finite loss any trainer rank saw (a collective: every rank calls it)."""
+        self._stop_if_diverged(self.topology.all_gather_object(self.guard.first_bad()))
+
+    def _stop_if_diverged(self, found: list[tuple[int, float] | None]) -> None:
+        first = first_divergence(found)
+        if first is None:
+            return
+        step, loss, rank = first
+        if rank != self.topology.rank:
+            # the rank that saw it reports first, so the job's error names it; once it has exited this wait
+            # ends (its connections close), bounded by the timeout in any case
+            with contextlib.suppress(Exception):
+                self.topology.barrier()
+        raise DivergedError(step, loss)
+
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
-        s, topo = self.s, self.topology
-        # one collective per log point for all three: each rank's rate, slice and loss (to average)
-        per_rank = topo.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
-                                           meter.mean_loss))
+        s = self.s
+        # one collective per log point for all four: each rank's rate, slice, loss and first bad step
+        per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
+                                                    meter.mean_loss, self.guard.first_bad()))
+        self._stop_if_diverged([bad for *_, bad in per_rank])
+        losses = [loss for _, _, loss, _ in per_rank if loss is not None]  # the ranks that hold the loss
+        loss = sum(losses) / len(losses) if losses else None
         return {
             "step": step,
             "epoch": round(step / s.plan.steps_per_epoch, 4),
-            # every rank ran the interval's steps; a slice's loss is already weighed by its size
-            "loss": sum(loss for _, _, loss in per_rank) / len(per_rank),
+            # a slice's loss is already weighed by its share of the global batch
+            "loss": loss,
+            **(s.task.metrics(loss, None) if loss is not None else {}),
             "lr": lr,
             "examples_per_sec": round(meter.steps_per_sec() * s.plan.global_batch, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
-            "rank_examples_per_sec": [rate for rate, _, _ in per_rank],
-            "rank_batch": [round(examples, 2) for _, examples, _ in per_rank],
+            "rank_examples_per_sec": [rate for rate, _, _, _ in per_rank],
+            "rank_batch": [round(examples, 2) for _, examples, _, _ in per_rank],
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
         }
 
     @torch.no_grad()
     def _evaluate(self, run_log: RunLog, step: int) -> tuple[float, float | None]:
+        self._check_finite()
         s, topo = self.s, self.topology
-        model = s.model
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, count
+        was_training = s.model.training
+        s.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
         for x, y in eval_batches(s.data.test, self.config.train.eval_batch_size, s.shard, topo.device):
             with s.devices.context():
-                loss_sum, correct = s.task.score(model(x), y)
-            sums += torch.stack([loss_sum.double().to(topo.device), correct.double().to(topo.device),
-                                 torch.tensor(float(len(y)), dtype=torch.float64, device=topo.device)])
+                part = self.strategy.eval_step(x, y)
+            if part is not None:
+                sums += part
         topo.all_reduce_sum(sums)
-        model.train(was_training)
+        s.model.train(was_training)
         loss_sum, correct, count = sums.tolist()
         result = (loss_sum / max(count, 1), correct / max(count, 1))
-        run_log.evaluation(step, *result)
+        run_log.evaluation(step, *result, s.task.metrics(*result))
         return result
 
     def _checkpoint(self, step: int) -> None:
-        s, topo = self.s, self.topology
-        state = s.state_dict(step)  # every rank: it gathers the RNG states of all ranks
-        if topo.is_main:
+        self._check_finite()
+        s = self.s
+        state = s.state_dict(step)  # every rank: the strategy gathers the model, the session the RNG states
+        if self.topology.is_main:
             path = s.checkpointer.save(state, step)
             s.log.info(f"checkpoint: {path}")
 
     def _save_model(self) -> None:
         path = self.config.train.save_model
-        if path and self.topology.is_main:
-            weights = {k: v.detach().cpu() for k, v in self.s.strategy.unwrap(self.s.model).state_dict().items()}
-            atomic_save(weights, path)
+        if not path:
+            return
+        self._check_finite()
+        weights = self.strategy.model_state_dict()  # every rank: a strategy may gather the model's parts
+        if self.topology.is_main:
+            atomic_save({k: v.detach().cpu() for k, v in weights.items()}, path)
             self.s.log.info(f"model saved to {path}")
 
     def _summary(self, step: int, totals: IntervalMeter, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         s = self.s
         eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
+        eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
         return {
             "steps": step,
             "train_loss": train_loss,
             "eval_loss": eval_loss,
             "eval_accuracy": eval_accuracy,
+            **eval_extra,
             "examples_per_sec": round(totals.steps_per_sec() * s.plan.global_batch, 2),
             "rank_examples_per_sec": self.topology.all_gather_object(round(totals.busy_examples_per_sec(), 2)),
             "strategy": self.config.train.strategy,
@@ -194,7 +201,7 @@ class Trainer:
         }
 
 
-def train_worker(ctx: Any, config: "RunConfig", model: nn.Module | None = None,
+def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
     return Trainer(config, ctx.topology, model=model, data=data).fit()

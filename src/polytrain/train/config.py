@@ -1,0 +1,29 @@
+"""The training loop's own settings (the ``training`` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytrain.options import option, register_section
+
+
+def _strategy_help() -> str:
+    from polytrain.strategies import available_strategies  # the registry fills as strategies are imported
+    return f"parallel strategy: {' | '.join(available_strategies())} | package.module:Class"
+
+
+@register_section("train", "training", order=10)
+@dataclass
+class TrainConfig:
+    strategy: str = option("sync", _strategy_help, metavar="NAME")
+    steps: int | None = option(None, "optimizer steps to train (or --epochs)", minimum=1, metavar="N")
+    epochs: int | None = option(10, "passes over the training set (or --steps)", minimum=1, metavar="E")
+    accumulate: int = option(1, "split each worker's batch into K micro-batches (gradient accumulation)",
+                             minimum=1, metavar="K")
+    seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
+    eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
+                             metavar="N")
+    eval_batch_size: int = option(256, "examples per evaluation batch per worker", minimum=1, metavar="N")
+    save_model: str | None = option(None, "write the trained model's state_dict here (torch.save)",
+                                    metavar="FILE")
+    deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")
