@@ -83,3 +83,24 @@ def test_sync_equals_single_on_sentences_of_uneven_lengths(tmp_path):
     corpus.write_bytes(b"\n".join(lines[:400]))
     single, sync = _single_and_sync(tmp_path, model="rnn_lm:hidden=32", data=f"sentences:{corpus}", batch_size=8)
     assert len(single) == 10 and sync == pytest.approx(single, rel=1e-5)
+
+
+def _saved(tmp_path, name, **run):
+    path = tmp_path / f"{name}.pt"
+    polytrain.fit(save_model=str(path), **run)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("model, workers, accumulate", [
+    (MODEL, 2, 1),
+    ("rnn_lm:hidden=32,layers=1", 4, 2),
+])
+def test_clipped_sync_equals_clipped_single(tmp_path, model, workers, accumulate):
+    """--clip-grad-norm clips the averaged (global) gradient, so every worker takes single's clipped step."""
+    common = dict(RUN, model=model, steps=10, accumulate=accumulate, log_every=10)
+    single = _saved(tmp_path, "single", clip_grad_norm=0.05, **common)
+    sync = _saved(tmp_path, "sync", clip_grad_norm=0.05, **{**common, "strategy": "sync", "workers": workers})
+    unclipped = _saved(tmp_path, "unclipped", **common)
+    for key, value in single.items():  # relative to each tensor's norm: Adam magnifies rounding near zero
+        assert (sync[key] - value).norm() <= 1e-5 * value.norm(), key
+    assert any(not torch.allclose(unclipped[k], v) for k, v in single.items())  # the clipping was active

@@ -30,7 +30,7 @@ from torch import nn
 from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
-from polytrain.strategies.step import StepResult, forward_backward
+from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ROLES = ("trainer", "server")
@@ -51,8 +51,7 @@ class Strategy:
         self.options = options
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.task: Any = None
-        self.accumulate = 1
+        self.recipe = StepRecipe()
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
         self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
 
@@ -145,15 +144,15 @@ class Strategy:
         """This rank's model on its device (wrapped for the exchange where the strategy needs it)."""
         return model.to(self.topology.device)
 
-    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, task: Any = None,
-                accumulate: int = 1, place: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: StepRecipe | None = None,
+                place: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """Take ``model`` (built alike on every rank), move and wrap it, let ``place`` put its sub-modules
         where the user asked, and build the optimizer over what this rank updates. Returns this rank's model."""
         self.model = self.prepare_model(model)
         if place is not None:
             place(self.model)
         self.optimizer = make_optimizer(self.model.parameters())
-        self.task, self.accumulate = task, accumulate
+        self.recipe = recipe or StepRecipe()
         return self.model
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
@@ -171,8 +170,11 @@ class Strategy:
         """One optimizer step on this rank's slice: forward, backward, exchange, update."""
         assert self.model is not None and self.optimizer is not None, "call prepare() first"
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, batch, self.task, self.topology.axis_size("dp"), self.accumulate,
+        recipe = self.recipe
+        loss = forward_backward(self.model, batch, recipe.task, self.topology.axis_size("dp"), recipe.accumulate,
                                 self.grad_sync, self.backward)
+        if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         with self.phase("optimizer"):
             self.optimizer_step(self.optimizer)
         return StepResult(loss, len(batch))
@@ -183,7 +185,7 @@ class Strategy:
         a rank that computes no loss. The trainer sums these over :attr:`trainers`."""
         assert self.model is not None
         device = self.topology.device
-        return torch.stack([v.to(device).double() for v in self.task.score(self.model(inputs), targets)])
+        return torch.stack([v.to(device).double() for v in self.recipe.task.score(self.model(inputs), targets)])
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""

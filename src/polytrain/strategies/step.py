@@ -18,6 +18,16 @@ from torch import nn
 from polytrain.data.batches import Batch
 
 
+@dataclass(frozen=True)
+class StepRecipe:
+    """How a step computes its update, whatever the strategy: the task's loss, gradient accumulation over
+    ``accumulate`` micro-batches, and clipping of the *global* gradient's norm (after the exchange)."""
+
+    task: Any = None
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+
+
 @dataclass
 class StepResult:
     """What a rank reports of one step. ``loss`` is this rank's share of the global batch's mean loss, such

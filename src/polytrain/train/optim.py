@@ -26,6 +26,8 @@ class OptimConfig:
     lr_scaling: str = option("none", "rescale --lr for the global batch: linear (Goyal et al.) or sqrt",
                              choices=("none", "linear", "sqrt"))
     base_batch_size: int | None = option(None, "the batch size --lr was tuned for (with --lr-scaling)", minimum=1)
+    clip_grad_norm: float | None = option(None, "clip the norm of the global (averaged) gradient to C before each "
+                                                "update", minimum=1e-12, metavar="C")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:

@@ -29,6 +29,7 @@ from polytrain.log import get_logger
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.strategies import Strategy, get_strategy
+from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from polytrain.train.optim import build_optimizer
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
@@ -142,8 +143,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     task = get_task(data.task)
-    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), task,
-                             config.train.accumulate, place=lambda m: _place(devices, config, strategy, m))
+    recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm)
+    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe, place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
     schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
