@@ -3,4 +3,7 @@
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
 from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
 
-__all__ = ["Strategy", "available_strategies", "get_strategy", "register_strategy"]
+#: what ``polytrain train`` uses without --strategy
+DEFAULT_STRATEGY = "sync"
+
+__all__ = ["DEFAULT_STRATEGY", "Strategy", "available_strategies", "get_strategy", "register_strategy"]

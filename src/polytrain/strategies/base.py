@@ -104,11 +104,14 @@ class Strategy:
         """A server rank's whole loop; returns its summary."""
         raise NotImplementedError(f"strategy {self.name} has no server ranks")
 
+    def finish(self) -> None:
+        """Called on every trainer rank once training has ended well (e.g. to tell servers to stop)."""
+
     # -- data ---------------------------------------------------------------------------------------
 
     def data_shard(self) -> Shard:
-        """This rank's equal slice of each global batch, from its place on the ``dp`` axis."""
-        return Shard(self.topology.axis_rank("dp"), self.topology.axis_size("dp"))
+        """This rank's equal slice of each global batch, from its place on the trainers' ``dp`` axis."""
+        return Shard(self.trainers.axis_rank("dp"), self.trainers.axis_size("dp"))
 
     def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
                     deterministic: bool = False) -> Shard | Callable[[int], Shard]:
@@ -171,7 +174,7 @@ class Strategy:
         assert self.model is not None and self.optimizer is not None, "call prepare() first"
         self.optimizer.zero_grad(set_to_none=True)
         recipe = self.recipe
-        loss = forward_backward(self.model, batch, recipe.task, self.topology.axis_size("dp"), recipe.accumulate,
+        loss = forward_backward(self.model, batch, recipe.task, self.trainers.axis_size("dp"), recipe.accumulate,
                                 self.grad_sync, self.backward)
         if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)

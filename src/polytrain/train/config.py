@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from polytrain.options import option, register_section
 
 
+from polytrain.strategies import DEFAULT_STRATEGY
+
+
 def _strategy_help() -> str:
     from polytrain.strategies import available_strategies  # the registry fills as strategies are imported
     return f"parallel strategy: {' | '.join(available_strategies())} | package.module:Class"
@@ -15,7 +18,7 @@ def _strategy_help() -> str:
 @register_section("train", "training", order=10)
 @dataclass
 class TrainConfig:
-    strategy: str = option("sync", _strategy_help, metavar="NAME")
+    strategy: str = option(DEFAULT_STRATEGY, _strategy_help, metavar="NAME")
     steps: int | None = option(None, "optimizer steps to train (or --epochs)", minimum=1, metavar="N")
     epochs: int | None = option(10, "passes over the training set (or --steps)", minimum=1, metavar="E")
     accumulate: int = option(1, "split each worker's batch into K micro-batches (gradient accumulation)",

@@ -54,6 +54,7 @@ class Trainer:
             run_log.start(s.config_flat, s.config_toml, s.start_step)
             run_log.info(s.describe())
             summary = self._loop(run_log)
+            self.strategy.finish()
             summary["wall_s"] = round(time.perf_counter() - started, 3)
             run_log.end(summary)
             return summary

@@ -1,0 +1,52 @@
+"""Named axes: a strategy lays the world out as dp x pp on a DeviceMesh; slices and groups follow the axes."""
+
+import pytest
+import torch
+
+from polytrain.distributed.topology import Topology
+from tests.helpers.spawn import spawn
+
+
+def test_a_single_process_is_one_replica_on_every_axis():
+    topo = Topology()
+    assert [(topo.axis_size(a), topo.axis_rank(a)) for a in ("dp", "pp")] == [(1, 0), (1, 0)]
+    assert topo.arranged(dp=1, pp=1).axes == (("dp", 1), ("pp", 1))
+    with pytest.raises(ValueError, match="hold 4 processes, but the world has 1"):
+        topo.arranged(dp=2, pp=2)
+    with pytest.raises(ValueError, match="unknown axes \\['tp'\\]"):
+        topo.arranged(tp=1)
+
+
+def _axes(ctx):
+    topo = ctx.topology.arranged(dp=2, pp=2)
+    coords = (topo.axis_rank("dp"), topo.axis_rank("pp"))
+    sums = {}
+    for axis in ("dp", "pp"):
+        along = topo.along(axis)
+        value = torch.tensor([float(topo.rank)])
+        along.all_reduce_sum(value)  # the ranks that differ from this one only along `axis`
+        sums[axis] = (along.rank, along.world_size, value.item())
+    return coords, sums
+
+
+def test_dp_by_pp_gives_each_rank_its_coordinates_and_a_group_per_axis():
+    results = spawn(_axes, 4)
+    # mesh order dp, pp: rank = dp * 2 + pp
+    assert [coords for coords, _ in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, (_, sums) in enumerate(results):
+        dp, pp = divmod(rank, 2)
+        assert sums["dp"] == (dp, 2, float(pp + (pp + 2)))  # ranks {pp, pp + 2}
+        assert sums["pp"] == (pp, 2, float(2 * dp + (2 * dp + 1)))  # ranks {2dp, 2dp + 1}
+
+
+def _default_layout(ctx):
+    from polytrain.strategies import get_strategy
+
+    sync = get_strategy("sync")(ctx.topology)
+    return sync.data_shard(), sync.topology.axis_size("pp"), sync.topology.axis_group("dp") is ctx.topology.group
+
+
+def test_sync_takes_its_slices_from_the_dp_axis_of_the_whole_world():
+    results = spawn(_default_layout, 2)
+    assert [(shard.index, shard.count) for shard, _, _ in results] == [(0, 2), (1, 2)]
+    assert all(pp == 1 and same_group for _, pp, same_group in results)
