@@ -175,7 +175,7 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
         recipe = self.recipe
         loss = forward_backward(self.model, batch, recipe.task, self.trainers.axis_size("dp"), recipe.accumulate,
-                                self.grad_sync, self.backward)
+                                self.grad_sync, self.backward, loss=recipe.loss)
         if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         with self.phase("optimizer"):
@@ -203,6 +203,16 @@ class Strategy:
     def take_wait_seconds(self) -> float:
         """Seconds this rank spent waiting for other ranks since the last call (for per-rank throughput)."""
         return 0.0
+
+    def take_metrics(self) -> dict[str, float]:
+        """This rank's strategy-specific numbers since the last call (bytes sent, staleness, ...), called at
+        every log point on every trainer rank; the step record lists each key per rank (``rank_<key>``)."""
+        return {}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        """Numbers for the run's end summary (e.g. the servers' staleness histogram), on the trainers' rank 0.
+        Collective over the trainer ranks: every one calls it once, after the last step."""
+        return {}
 
     # -- the whole model's state -------------------------------------------------------------------
 

@@ -125,11 +125,13 @@ class Trainer:
 
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
         s = self.s
-        # one collective per log point for all four: each rank's rate, slice, loss and first bad step
+        # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers
         per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
-                                                    meter.mean_loss, self.guard.first_bad()))
-        self._stop_if_diverged([bad for *_, bad in per_rank])
-        losses = [loss for _, _, loss, _ in per_rank if loss is not None]  # the ranks that hold the loss
+                                                    meter.mean_loss, self.guard.first_bad(),
+                                                    self.strategy.take_metrics()))
+        self._stop_if_diverged([bad for _, _, _, bad, _ in per_rank])
+        losses = [loss for _, _, loss, _, _ in per_rank if loss is not None]  # the ranks that hold the loss
+        keys = sorted({key for *_, extra in per_rank for key in extra})
         loss = sum(losses) / len(losses) if losses else None
         return {
             "step": step,
@@ -140,8 +142,9 @@ class Trainer:
             "lr": lr,
             "examples_per_sec": round(meter.steps_per_sec() * s.plan.global_batch, 2),
             "sec_per_batch": round(meter.sec_per_batch, 6),
-            "rank_examples_per_sec": [rate for rate, _, _, _ in per_rank],
-            "rank_batch": [round(examples, 2) for _, examples, _, _ in per_rank],
+            "rank_examples_per_sec": [rate for rate, *_ in per_rank],
+            "rank_batch": [round(examples, 2) for _, examples, *_ in per_rank],
+            **{f"rank_{key}": [extra.get(key) for *_, extra in per_rank] for key in keys},
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
         }
@@ -188,6 +191,7 @@ class Trainer:
         s = self.s
         eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
         eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
+        strategy_numbers = self.strategy.summary_metrics()  # collective over the trainers
         return {
             "steps": step,
             "train_loss": train_loss,
@@ -199,6 +203,7 @@ class Trainer:
             "strategy": self.config.train.strategy,
             "workers": self.topology.world_size,
             "global_batch": s.plan.global_batch,
+            **strategy_numbers,
         }
 
 
