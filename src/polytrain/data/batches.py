@@ -29,6 +29,8 @@ class Batch:
     targets: torch.Tensor
     #: the task's units (examples; real tokens for ``lm``) in the whole global batch, over every slice
     global_units: int
+    #: the examples in the whole global batch (None: not told, the slices are equal)
+    global_examples: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.step, self.inputs, self.targets))
@@ -155,7 +157,7 @@ class ShardedBatches:
         while True:
             everyone = self.plan.global_indices(step)
             x, y = self.dataset.get_batch(self.shard_at(step).take(everyone), self.plan.position(step)[0])
-            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone))
+            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone))
             step += 1
 
     def _loader(self) -> Iterator[Batch]:
@@ -166,7 +168,8 @@ class ShardedBatches:
             loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard_at, step, epoch_end),
                                 num_workers=self.num_workers, pin_memory=self.device.type == "cuda")
             for x, y in loader:
-                yield Batch(step, self._to_device(x), self._to_device(y), self._units(self.plan.global_indices(step)))
+                everyone = self.plan.global_indices(step)
+                yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone))
                 step += 1
 
     def _units(self, everyone: torch.Tensor) -> int:

@@ -16,16 +16,20 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import Batch
+from polytrain.train.tasks import model_loss_of
 
 
 @dataclass(frozen=True)
 class StepRecipe:
-    """How a step computes its update, whatever the strategy: the task's loss, gradient accumulation over
-    ``accumulate`` micro-batches, and clipping of the *global* gradient's norm (after the exchange)."""
+    """How a step computes its update, whatever the strategy: the task, gradient accumulation over
+    ``accumulate`` micro-batches, clipping of the *global* gradient's norm (after the exchange), and whose
+    loss is minimised (``loss``: ``task``, the task's loss on the model's outputs, or ``model``, the
+    model's own ``.loss`` given ``labels=``)."""
 
     task: Any = None
     accumulate: int = 1
     clip_grad_norm: float | None = None
+    loss: str = "task"
 
 
 @dataclass
@@ -46,19 +50,42 @@ def loss_divisor(global_units: int, replicas: int, units: int) -> float:
 
 def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, accumulate: int,
                      grad_sync: Callable[[nn.Module, bool], ContextManager[Any]],
-                     backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+                     backward: Callable[[torch.Tensor], None], loss: str = "task") -> torch.Tensor:
     """Gradients of the global batch's mean loss over this slice, in ``accumulate`` micro-batches.
 
     The gradients of ``replicas`` data-parallel ranks are averaged by the exchange, so a micro-batch holding
     ``u`` of the global batch's ``U`` units divides its mean loss by ``U / (replicas * u)``: the average is
     then the gradient of the mean over all ``U`` units, whatever the slices hold. For equal slices of
     examples in K micro-batches the divisor is exactly K. Returns the summed, weighed loss (detached).
+
+    ``loss="model"`` takes the model's own mean loss instead (``model(x, labels=...)``), weighed the same
+    way by the units *it* averages over, which the task says (:meth:`Task.model_labels` and friends).
     """
     total = torch.zeros((), device=batch.inputs.device)
     pieces = list(zip(batch.inputs.chunk(accumulate), batch.targets.chunk(accumulate)))
+    micro_loss = _task_loss if loss == "task" else _model_loss
+    global_units = batch.global_units if loss == "task" else _model_global_units(task, batch, replicas)
     for i, (x, y) in enumerate(pieces):
         with grad_sync(model, i == len(pieces) - 1):
-            loss = task.loss(model(x), y) / loss_divisor(batch.global_units, replicas, task.units(y))
-            backward(loss)
-        total += loss.detach().to(total.device)
+            mean, units = micro_loss(model, task, x, y)
+            weighed = mean / loss_divisor(global_units, replicas, units)
+            backward(weighed)
+        total += weighed.detach().to(total.device)
     return total
+
+
+def _task_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The task's mean loss on the model's outputs for one micro-batch, and the units it averages over."""
+    return task.loss(model(x), y), task.units(y)
+
+
+def _model_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The model's own mean loss on one micro-batch, and the units it averages over."""
+    labels = task.model_labels(x, y)
+    return model_loss_of(model(x, labels=labels)), task.model_units(labels)
+
+
+def _model_global_units(task: Any, batch: Batch, replicas: int) -> int:
+    # a batch made without its global example count comes from equal slices (every strategy's default)
+    examples = batch.global_examples if batch.global_examples is not None else len(batch) * replicas
+    return task.model_global_units(batch.global_units, examples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polytrain.options import option, register_section
+from polytrain.train.tasks import LOSSES
 
 
 from polytrain.strategies import DEFAULT_STRATEGY
@@ -23,6 +24,8 @@ class TrainConfig:
     epochs: int | None = option(10, "passes over the training set (or --steps)", minimum=1, metavar="E")
     accumulate: int = option(1, "split each worker's batch into K micro-batches (gradient accumulation)",
                              minimum=1, metavar="K")
+    loss: str = option("task", "what is minimised: task (the task's loss on the model's outputs or .logits) or "
+                       "model (the model's own .loss, given labels=: the Hugging Face convention)", choices=LOSSES)
     seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
     eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
                              metavar="N")

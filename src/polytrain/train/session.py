@@ -33,10 +33,17 @@ from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from polytrain.train.optim import build_optimizer
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
-from polytrain.train.tasks import Task, get_task
+from polytrain.train.tasks import Task, check_takes_labels, get_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
 RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
+
+
+#: the opening line saying what is minimised, for each --loss
+_LOSS_LINES = {
+    "task": "the task's ({task}) loss on the model's outputs (or their .logits)",
+    "model": "the model's own .loss, given labels= (--loss model; task {task} for evaluation)",
+}
 
 
 def seed_everything(seed: int) -> None:
@@ -111,6 +118,7 @@ class Session:
             f"model {cfg.model.model}: {params:,} parameters",
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
+            f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
             f"optimizer {cfg.optim.optimizer}, lr {self.schedule.base_lr:g}, schedule {self.schedule}",
             f"process: {torch.get_num_threads()} CPU thread(s) per worker, {describe_host_memory()}",
         ]
@@ -140,10 +148,12 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
         model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                             num_classes=data.num_outputs)
     check_lm_compat(data, model, config.model.model)
+    if config.train.loss == "model":
+        check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     task = get_task(data.task)
-    recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm)
+    recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss)
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe, place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
     schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)

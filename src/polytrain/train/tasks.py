@@ -7,7 +7,10 @@ Every task answers the same questions, so a training step and an evaluation need
   (non-padding) target tokens for ``lm``. Slices of a global batch holding different numbers of units
   are weighted by them, so that the mean over the whole batch is what every strategy minimises;
 - ``score(outputs, targets)``: (summed loss, correct count, units) as tensors, for evaluation;
-- ``metrics(mean_loss, accuracy)``: the task's extra metrics (``perplexity`` for ``lm``).
+- ``metrics(mean_loss, accuracy)``: the task's extra metrics (``perplexity`` for ``lm``);
+- ``model_labels(inputs, targets)``, ``model_units(labels)``, ``model_global_units(units, examples)``: with
+  ``--loss model``, what polytrain passes a model as ``labels=`` and the units the model's own loss averages
+  over, in a micro-batch and in the whole global batch (see :class:`LanguageModelTask` for ``lm``).
 
 ``outputs`` may be a tensor or a model's output object with ``.logits`` (the Hugging Face convention,
 see :func:`outputs_of`); :func:`model_loss_of` takes a model's own ``.loss`` instead (``--loss model``).
@@ -15,6 +18,7 @@ see :func:`outputs_of`); :func:`model_loss_of` takes a model's own ``.loss`` ins
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,8 +30,11 @@ import torch.nn.functional as F
 from polytrain.data.tokens import IGNORE_INDEX
 from polytrain.errors import ConfigError
 
-__all__ = ["IGNORE_INDEX", "TASKS", "ExampleTask", "LanguageModelTask", "Score", "Task", "get_task",
-           "model_loss_of", "outputs_of"]
+__all__ = ["IGNORE_INDEX", "LOSSES", "TASKS", "ExampleTask", "LanguageModelTask", "Score", "Task",
+           "check_takes_labels", "get_task", "model_loss_of", "outputs_of"]
+
+#: ``--loss``: the task's loss on the model's logits, or the model's own ``.loss``
+LOSSES = ("task", "model")
 
 
 class Score(NamedTuple):
@@ -58,9 +65,22 @@ def model_loss_of(model_output: Any) -> torch.Tensor:
     """The model's own loss (``--loss model``): ``.loss`` of an output object/dict."""
     loss = None if isinstance(model_output, torch.Tensor) else _field(model_output, "loss")
     if not isinstance(loss, torch.Tensor):
-        raise ConfigError(f"--loss model: the model returned no loss ({type(model_output).__name__} without "
-                          ".loss); pass it the targets (Hugging Face models take labels=) or use the task's loss")
+        raise ConfigError(f"--loss model: the model returned no loss given labels= ({type(model_output).__name__} "
+                          "without a .loss tensor); use a model with its own loss (a Hugging Face ...ForCausalLM) "
+                          "or --loss task")
     return loss
+
+
+def check_takes_labels(model: torch.nn.Module, name: str) -> None:
+    """``--loss model`` calls ``model(inputs, labels=...)``: one ConfigError line, before training, if the
+    model's forward cannot take ``labels`` (whether it then returns a loss shows only at the first step)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C extension): let the first step tell
+        return
+    if not any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise ConfigError(f"--loss model: the forward of --model {name} takes no labels= argument, so it cannot "
+                          "compute its own loss; use --loss task (the task's loss on its outputs)")
 
 
 class Task:
@@ -80,6 +100,20 @@ class Task:
     def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
         """Metrics beyond loss and accuracy, from their means over an evaluation."""
         return {}
+
+    # --loss model: the model computes its loss from labels=, the Hugging Face convention
+
+    def model_labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """What polytrain passes as ``labels=``; one label per example by default: the targets."""
+        return targets
+
+    def model_units(self, labels: torch.Tensor) -> int:
+        """The units the model's own loss averages over, for these labels."""
+        return len(labels)
+
+    def model_global_units(self, global_units: int, global_examples: int) -> int:
+        """The same units in a whole global batch of ``global_units`` task units and ``global_examples``."""
+        return global_units
 
 
 @dataclass(frozen=True)
@@ -136,6 +170,21 @@ class LanguageModelTask(Task):
         real = flat != IGNORE_INDEX
         correct = ((logits.argmax(dim=-1) == flat) & real).sum()
         return Score(summed, correct, real.sum())
+
+    # --loss model. A Hugging Face causal LM takes labels aligned with its inputs and shifts them itself
+    # (position t is scored against labels[t + 1]); our targets are already the next tokens. So the labels
+    # are the inputs, with IGNORE_INDEX at padded positions (where the target is IGNORE_INDEX: padding only
+    # follows a sequence's real tokens). The model then scores every real target but each sequence's last
+    # one, which no label to its right holds: a sequence of n real targets counts n - 1 units.
+
+    def model_labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return inputs.to(torch.long).masked_fill(targets == IGNORE_INDEX, IGNORE_INDEX)
+
+    def model_units(self, labels: torch.Tensor) -> int:
+        return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def model_global_units(self, global_units: int, global_examples: int) -> int:
+        return global_units - global_examples  # every sequence has at least one real target
 
     def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
         # exp overflows a float past ~709; a perplexity that large means "no better than chance" anyway
