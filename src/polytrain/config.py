@@ -42,6 +42,16 @@ class RunConfig:
         if sections:
             raise TypeError(f"unknown config sections: {', '.join(sections)}")
 
+    def __getattr__(self, name: str) -> Any:
+        # a section registered after this config was made (a strategy module imported later, or only in a
+        # worker) has its defaults
+        section = None if name.startswith("__") else {s.name: s for s in registered_sections()}.get(name)
+        if section is None:
+            raise AttributeError(f"RunConfig has no section '{name}'")
+        value = section.cls()
+        setattr(self, name, value)
+        return value
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RunConfig) and vars(self) == vars(other)
 
