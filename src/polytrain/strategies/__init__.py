@@ -1,6 +1,8 @@
-"""Parallel strategies, chosen by name: ``single``, ``sync`` (more to come: async, pipeline, hybrid)."""
+"""Parallel strategies, chosen by name: ``single``, ``sync``, ``local-sgd``, ``diloco`` (more to come: async,
+pipeline, hybrid)."""
 
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
+from polytrain.strategies import periodic  # noqa: F401  (local-sgd, diloco)
 from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
 
 #: what ``polytrain train`` uses without --strategy

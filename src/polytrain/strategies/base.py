@@ -31,6 +31,7 @@ from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
+from polytrain.strategies.traffic import Traffic
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ROLES = ("trainer", "server")
@@ -52,6 +53,8 @@ class Strategy:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.recipe = StepRecipe()
+        #: this rank's bytes sent and received in the exchange, and examples trained on (for bytes per example)
+        self.traffic = Traffic()
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
         self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
 
@@ -180,6 +183,7 @@ class Strategy:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         with self.phase("optimizer"):
             self.optimizer_step(self.optimizer)
+        self.traffic.examples += len(batch)
         return StepResult(loss, len(batch))
 
     @torch.no_grad()
@@ -206,13 +210,15 @@ class Strategy:
 
     def take_metrics(self) -> dict[str, float]:
         """This rank's strategy-specific numbers since the last call (bytes sent, staleness, ...), called at
-        every log point on every trainer rank; the step record lists each key per rank (``rank_<key>``)."""
-        return {}
+        every log point on every trainer rank; the step record lists each key per rank (``rank_<key>``). By
+        default the bytes counted in :attr:`traffic` (``bytes_sent``, ``bytes_received``)."""
+        return self.traffic.take()
 
     def summary_metrics(self) -> dict[str, Any]:
         """Numbers for the run's end summary (e.g. the servers' staleness histogram), on the trainers' rank 0.
-        Collective over the trainer ranks: every one calls it once, after the last step."""
-        return {}
+        Collective over the trainer ranks: every one calls it once, after the last step. By default the
+        totals of :attr:`traffic` over the trainers (bytes sent and received, per rank and per example)."""
+        return self.traffic.summary(self.trainers)
 
     # -- the whole model's state -------------------------------------------------------------------
 

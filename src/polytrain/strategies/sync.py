@@ -12,6 +12,10 @@ loopback TCP unless ``--comm backend`` is given; the choice and its reason are l
 With ``--balance on|auto`` the slices need not be equal: every step each rank reports how long its forward
 and backward took, and all ranks move examples from slow workers to fast ones alike
 (``polytrain.strategies.balance``); each rank's loss is weighted by its slice, so the update is unchanged.
+
+The bytes each rank exchanges are counted (:mod:`polytrain.strategies.traffic`): every gradient bucket the
+comm hook hands over (ring model through the process group; the copies in and out of shared memory through
+shm), the balancer's timings, and DDP's per-step broadcast of rank 0's buffers where the model has any.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class SyncDataParallel(Strategy):
         self._step_started: float | None = None
         self._compute_end: float | None = None
         self._slice = 0  # examples this rank took in the current step
+        self._buffer_bytes = 0  # what DDP broadcasts from rank 0 before each step's first forward
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         opts = self.options
@@ -94,6 +99,8 @@ class SyncDataParallel(Strategy):
         )
         self._exchange = self._open_exchange(model)
         ddp.register_comm_hook(self, _shm_allreduce if self._exchange else _timed_allreduce)
+        if getattr(ddp, "broadcast_buffers", True):  # BatchNorm statistics: rank 0's overwrite the others'
+            self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return ddp
 
     def _open_exchange(self, model: nn.Module) -> SharedMemoryAllReduce | None:
@@ -138,6 +145,17 @@ class SyncDataParallel(Strategy):
         self._balance_note = "slices balanced by measured speed (--balance)"
         return self._shard_at
 
+    def train_step(self, batch: Any) -> Any:
+        if self._buffer_bytes:
+            # DDP broadcasts buffers before the first forward after a synchronised backward: once a step, even
+            # with --accumulate (no_sync micro-batches skip it); counted as rank 0 sending to each other rank
+            n = self.topology.world_size
+            if self.topology.rank == 0:
+                self.traffic.add((n - 1) * self._buffer_bytes, 0)
+            else:
+                self.traffic.add(0, self._buffer_bytes)
+        return super().train_step(batch)
+
     def _shard_at(self, step: int) -> Shard:
         """This rank's slice for the step about to start, after learning how the last one went everywhere."""
         balancer, topo = self._balancer, self.topology
@@ -149,8 +167,10 @@ class SyncDataParallel(Strategy):
             measured[topo.rank, 1] = self._slice
             if self._exchange is not None:
                 self._exchange.start_sum(measured).wait()
+                self.traffic.shm_all_reduce(measured.numel() * measured.element_size(), topo.world_size)
             else:
                 topo.all_reduce_sum(measured)
+                self.traffic.all_reduce(measured.numel() * measured.element_size(), topo.world_size)
             balancer.update([(t, int(n)) for t, n in measured.tolist()])
         self._step_started, self._compute_end = time.perf_counter(), None
         self._slice = balancer.sizes[topo.rank]
@@ -182,10 +202,16 @@ class SyncDataParallel(Strategy):
 def _timed_allreduce(state, bucket):  # unannotated: DDP rejects annotations other than its own types
     """DDP's default all-reduce (average), noting when this rank's bucket was ready."""
     state._last_bucket_ready = time.perf_counter()
+    state.traffic.all_reduce(_nbytes(bucket.buffer()), state.topology.world_size)
     return default_hooks.allreduce_hook(state.topology.group, bucket)
 
 
 def _shm_allreduce(state, bucket):  # unannotated, as above
     """Average the bucket through shared memory on the exchange's thread, while backward goes on."""
     state._last_bucket_ready = time.perf_counter()
+    state.traffic.shm_all_reduce(_nbytes(bucket.buffer()), state.topology.world_size)
     return state._exchange.start_average(bucket.buffer())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

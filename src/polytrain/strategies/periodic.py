@@ -1,0 +1,223 @@
+"""``local-sgd`` and ``diloco``: every worker trains its own replica, and the replicas meet every H steps.
+
+Each worker steps its own optimizer (``--optimizer``, the *inner* one) on its slice of every global batch,
+exchanging nothing; every ``--sync-every H`` global steps the workers all-reduce their parameters over the
+trainers' process group (no DDP, no per-step exchange), which is H times fewer bytes than ``sync``:
+
+* ``local-sgd`` (Stich 2019; Lin et al. 2020) replaces every replica by the average.
+* ``diloco`` (Douillard et al. 2023) keeps the parameters of the last sync point (the *anchor*), takes
+  ``delta = anchor - average`` as a gradient and steps the anchor with outer SGD with Nesterov momentum
+  (``--outer-lr``, ``--outer-momentum``); every worker starts the next round from the new anchor.
+
+With H = 1 and inner plain SGD both equal ``sync`` (the average of N steps from one point is one step along
+the averaged gradient; diloco with outer lr 1 and no momentum lands on that average). Floating-point
+buffers (BatchNorm statistics) are averaged at each sync point too; clipping (``--clip-grad-norm``) clips
+each worker's own gradient, since there is no global one.
+
+Sync points are the global steps that are multiples of H, counted from step 0, so a resumed run meets at
+the same steps as an uninterrupted one. Between sync points the replicas differ: evaluation scores each
+worker's replica on its slice of the test set, and the whole model that is saved (checkpoint, --save-model)
+is the average of the replicas (one extra all-reduce; at a sync point they are already equal). A
+checkpoint also holds rank 0's inner optimizer state (loaded by every worker on resume: the others' inner
+momentum is not kept) and, for diloco, the anchor and the outer momentum. Resuming mid-round therefore
+starts every worker from the average of the replicas at the checkpoint, with the round's anchor, so the
+next outer step still measures the change since the last sync point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from polytrain.data.batches import Batch
+from polytrain.errors import ConfigError
+from polytrain.options import option, register_section
+from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.step import StepResult
+
+#: DiLoCo's outer settings (Douillard et al. 2023, section 3): Nesterov momentum 0.9, outer learning rate 0.7
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+
+
+def _below_one(value: float) -> None:
+    if value >= 1:
+        raise ValueError(f"must be below 1 (a momentum of 1 never forgets a step), got {value:g}")
+
+
+def _positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value:g}")
+
+
+@register_section("periodic", "strategies local-sgd and diloco", order=72)
+@dataclass
+class PeriodicConfig:
+    sync_every: int = option(8, "local-sgd, diloco: every worker steps its own optimizer, and the workers' "
+                                "parameters meet every H steps (averaged, or diloco's outer step)",
+                             minimum=1, metavar="H")
+    outer_lr: float | None = option(None, f"diloco: outer SGD learning rate on the averaged parameter change "
+                                          f"(default {DEFAULT_OUTER_LR:g}; 1 with momentum 0 is local-sgd)",
+                                    check=_positive, metavar="L")
+    outer_momentum: float | None = option(None, f"diloco: outer Nesterov momentum (default "
+                                                f"{DEFAULT_OUTER_MOMENTUM:g}; 0: plain outer SGD)",
+                                          minimum=0, check=_below_one, metavar="M")
+
+
+@register_strategy
+class LocalSGD(Strategy):
+    name = "local-sgd"
+    summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
+    multiprocess = True
+    config_section = "periodic"
+
+    def __init__(self, topology: Any, options: PeriodicConfig | None = None):
+        super().__init__(topology, options or PeriodicConfig())
+        self._dirty = False  # steps taken since the replicas last met: they may differ
+        self._waited = 0.0
+
+    @classmethod
+    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
+        super().check(workers, global_batch, accumulate, options)
+        given = [flag for flag, value in (("--outer-lr", getattr(options, "outer_lr", None)),
+                                          ("--outer-momentum", getattr(options, "outer_momentum", None)))
+                 if value is not None]
+        if given and cls.name != Diloco.name:
+            raise ConfigError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} the outer step of --strategy diloco; "
+                              f"--strategy {cls.name} averages the parameters (drop them, or use diloco)")
+
+    def describe(self) -> str:
+        return f"{super().describe()}, each worker its own optimizer; {self._meeting()} every " \
+               f"{self.options.sync_every} step(s)"
+
+    def _meeting(self) -> str:
+        return "parameters averaged"
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.topology.device)
+        if self.topology.distributed:  # start from rank 0's replica, as DDP does (not counted: start-up only)
+            for tensors in _by_dtype(list(model.parameters()) + list(model.buffers())).values():
+                flat = _flatten_dense_tensors([t.detach() for t in tensors])
+                dist.broadcast(flat, src=dist.get_global_rank(self.topology.group, 0), group=self.topology.group)
+                for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                    t.data.copy_(value)
+        return model
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> StepResult:
+        result = super().train_step(batch)  # forward, backward and this worker's own optimizer step
+        self._dirty = True
+        if (batch.step + 1) % self.options.sync_every == 0:
+            started = time.perf_counter()
+            with torch.no_grad(), self.phase("sync"):
+                self._meet()
+            self._dirty = False
+            self._waited += time.perf_counter() - started
+        return result
+
+    def _meet(self) -> None:
+        """The sync point: every replica becomes the average."""
+        self._average_into(self._synced(self.unwrap()))
+
+    def _synced(self, model: nn.Module) -> list[torch.Tensor]:
+        """What meets at a sync point: the parameters and the floating-point buffers (BatchNorm statistics;
+        integer ones such as its step counter are equal on every worker anyway)."""
+        return [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+
+    def _average_into(self, tensors: list[torch.Tensor]) -> None:
+        """Replace ``tensors`` by their average over the trainers, in place: one all-reduce per dtype."""
+        topo = self.topology
+        if not topo.distributed:
+            return
+        for group in _by_dtype(tensors).values():
+            flat = _flatten_dense_tensors([t.detach() for t in group])
+            topo.all_reduce_sum(flat)
+            flat.div_(topo.world_size)
+            self.traffic.all_reduce(flat.numel() * flat.element_size(), topo.world_size)
+            for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.data.copy_(value)
+
+    def take_wait_seconds(self) -> float:
+        # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    # -- the whole model ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = self.unwrap().state_dict()
+        if self._dirty:  # mid-round: the average of the replicas, leaving each worker's own untouched
+            state = {k: v.detach().clone() for k, v in state.items()}
+            self._average_into([v for v in state.values() if v.is_floating_point()])
+        return state if self.trainers.is_main else None
+
+
+@register_strategy
+class Diloco(LocalSGD):
+    name = "diloco"
+    summary = ("DiLoCo: each worker its own (inner) optimizer on its slice; every --sync-every H steps an outer "
+               "Nesterov SGD step on the averaged parameter change")
+
+    def __init__(self, topology: Any, options: PeriodicConfig | None = None):
+        super().__init__(topology, options)
+        opts = self.options
+        self.outer_lr = DEFAULT_OUTER_LR if opts.outer_lr is None else opts.outer_lr
+        self.outer_momentum = DEFAULT_OUTER_MOMENTUM if opts.outer_momentum is None else opts.outer_momentum
+        self._anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.Optimizer | None = None
+
+    def _meeting(self) -> str:
+        return f"outer SGD step (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
+
+    def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:
+        prepared = super().prepare(model, make_optimizer, recipe, place)
+        # the anchor: the parameters every worker started this round from; the outer optimizer steps it
+        self._anchor = [p.detach().clone() for p in self.unwrap().parameters()]
+        self.outer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
+                                     nesterov=self.outer_momentum > 0)
+        return prepared
+
+    def _meet(self) -> None:
+        params = list(self.unwrap().parameters())
+        super()._meet()  # the replicas' average (buffers: just averaged)
+        for anchor, averaged in zip(self._anchor, params):
+            anchor.grad = anchor - averaged  # the round's outer "gradient": how far the average moved, negated
+        assert self.outer is not None
+        self.outer.step()
+        for anchor, param in zip(self._anchor, params):
+            param.data.copy_(anchor)
+            anchor.grad = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        state = super().state_dict()
+        if state is not None:
+            assert self.outer is not None
+            state["outer"] = {"anchor": [a.detach().clone() for a in self._anchor],
+                              "optimizer": self.outer.state_dict()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        params = list(self.unwrap().parameters())
+        outer = state.get("outer")  # a checkpoint of another strategy: this round starts from its model
+        with torch.no_grad():
+            for anchor, source in zip(self._anchor, outer["anchor"] if outer else params):
+                anchor.copy_(source)
+        if outer:
+            assert self.outer is not None
+            self.outer.load_state_dict(outer["optimizer"])
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
