@@ -1,9 +1,12 @@
-"""Periodic, atomic checkpoints and resume.
+"""Periodic, atomic, verifiable checkpoints and resume.
 
 A checkpoint is one ``torch.save`` file, ``step-00000100.pt``, holding the model, optimizer, step, data
 position, every rank's RNG states and the resolved config. It is written to a temporary file in the same
-directory, fsynced and renamed into place; only then does the ``latest`` pointer (itself replaced
-atomically) move to it. A crash at any moment therefore leaves the previous checkpoint as the latest.
+directory, fsynced and renamed into place; then its manifest ``step-00000100.json`` (size, SHA-256, step,
+strategy, world size, the model's tensor names/shapes/dtypes), written the same way; only then does the
+``latest`` pointer (itself replaced atomically) move to it. A crash at any moment therefore leaves the
+previous checkpoint as the latest. Loading checks a file against its manifest and the model it is meant for
+(:mod:`polytrain.train.integrity`) and falls back to the previous good checkpoint.
 Files load with ``torch.load(..., weights_only=True)``: nothing in them needs pickle's arbitrary code.
 """
 
@@ -11,8 +14,7 @@ from __future__ import annotations
 
 import os
 import random
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,11 @@ import numpy as np
 import torch
 
 from polytrain.errors import ConfigError
+from polytrain.log import get_logger
 from polytrain.options import option, register_section
+from polytrain.train.integrity import (FORMAT, NAME, Signature, Verdict, build_manifest, dumps_manifest,
+                                       manifest_path, verify)
 
-FORMAT = "polytrain.checkpoint/1"
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
 LATEST = "latest"
 
 
@@ -91,8 +94,24 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@dataclass
+class Choice:
+    """The checkpoint to resume from: the newest usable one (None: none), and the newer ones it skipped."""
+
+    good: Verdict | None
+    rejected: list[Verdict] = field(default_factory=list)
+
+    def no_good_message(self, directory: Path) -> str:
+        """One line for a directory that has checkpoints but none usable."""
+        reasons = "; ".join(f"{v.path.name} {v.problem}" for v in self.rejected)
+        fix = ("resume with the model they were made with, or use another --checkpoint-dir"
+               if all(v.foreign for v in self.rejected) else "start afresh with another --checkpoint-dir")
+        return f"none of the {len(self.rejected)} checkpoint(s) in {directory} can be used: {reasons}; {fix}"
+
+
 class Checkpointer:
-    """Writes ``step-N.pt`` files plus a ``latest`` pointer in ``directory``; keeps the newest ``keep``."""
+    """Writes ``step-N.pt`` files, their manifests and a ``latest`` pointer in ``directory``; keeps the
+    newest ``keep``."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3):
         self.directory = Path(directory)
@@ -100,17 +119,23 @@ class Checkpointer:
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = atomic_save({"format": FORMAT, "step": step, **state}, self.directory / f"step-{step:08d}.pt")
+        full = {"format": FORMAT, "step": step, **state}
+        path = atomic_save(full, self.directory / f"step-{step:08d}.pt")
+        # hashed from the disk after the fsync: the checksum is of the bytes a later load will read
+        _atomic_write_text(manifest_path(path), dumps_manifest(build_manifest(path, full, step)))
         _atomic_write_text(self.directory / LATEST, path.name + "\n")
-        self._prune()
+        self._prune(step)
         return path
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoint files present, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = (_NAME.match(p.name) for p in self.directory.iterdir())
+        found = (NAME.match(p.name) for p in self.directory.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}.pt"
 
     def latest(self) -> Path | None:
         """The checkpoint the ``latest`` pointer names (or, without a pointer, the highest step)."""
@@ -120,25 +145,65 @@ class Checkpointer:
             if target.is_file():
                 return target
         steps = self.steps()
-        return self.directory / f"step-{steps[-1]:08d}.pt" if steps else None
+        return self.path(steps[-1]) if steps else None
+
+    def candidates(self) -> list[Path]:
+        """The order in which to try the checkpoints: the ``latest`` one, then the others, newest first."""
+        latest = self.latest()
+        others = [self.path(step) for step in reversed(self.steps())]
+        return ([latest] if latest else []) + [p for p in others if p != latest]
+
+    def choose(self, expected: Signature | None = None, map_location: str | torch.device = "cpu") -> Choice:
+        """The newest checkpoint that passes :func:`~polytrain.train.integrity.verify` (against the model
+        ``expected``, if given), loaded, with the newer ones that did not."""
+        choice = Choice(None)
+        for path in self.candidates():
+            verdict = verify(path, expected, map_location)
+            if verdict.ok:
+                choice.good = verdict
+                return choice
+            choice.rejected.append(verdict)
+        return choice
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
-        path = self.latest()
-        return None if path is None else load_checkpoint(path, map_location)
+        """The newest usable checkpoint's contents (None: no checkpoint); the ones skipped are logged as
+        warnings, and a directory with checkpoints but none usable is a ConfigError."""
+        choice = self.choose(map_location=map_location)
+        warn_choice(choice, get_logger().warning)
+        if choice.good is None:
+            if choice.rejected:
+                raise ConfigError(choice.no_good_message(self.directory))
+            return None
+        return choice.good.state
 
-    def _prune(self) -> None:
-        for step in self.steps()[: -self.keep]:
-            (self.directory / f"step-{step:08d}.pt").unlink(missing_ok=True)
+    def _prune(self, saved: int) -> None:
+        # Only checkpoints up to the one just saved count: any later ones were left by a run that this
+        # one resumed from before them (they were unusable), and must not push out the new ones.
+        older = [step for step in self.steps() if step <= saved]
+        for step in older[: -self.keep]:
+            self.path(step).unlink(missing_ok=True)
+            manifest_path(self.path(step)).unlink(missing_ok=True)
+
+
+def warn_choice(choice: Choice, warn: Any, prefix: str = "") -> None:
+    """Log what :meth:`Checkpointer.choose` skipped and whether what it chose could be verified."""
+    good = choice.good
+    if good is None:  # nothing was used: the caller's one error names every file instead
+        return
+    for bad in choice.rejected:
+        warn(f"{prefix}checkpoint {bad.describe()}; skipped for an earlier one")
+    if good.manifest is None:
+        warn(f"{prefix}checkpoint {good.path} has no manifest (written before polytrain checked checkpoints): "
+             "its integrity cannot be verified")
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # corrupt or foreign file: say which and why
-        raise ConfigError(f"cannot read checkpoint {path}: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"{path} is not a polytrain checkpoint (format {FORMAT})")
-    return state
+    """One checkpoint file's contents, checked as :func:`~polytrain.train.integrity.verify` does; a
+    ConfigError naming the file and why if it cannot be used."""
+    verdict = verify(path, map_location=map_location)
+    if verdict.state is None:
+        raise ConfigError(f"checkpoint {verdict.describe()}")
+    return verdict.state
 
 
 def capture_rng() -> dict[str, Any]:

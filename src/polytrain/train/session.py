@@ -30,7 +30,8 @@ from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.strategies import Strategy, get_strategy
 from polytrain.strategies.step import StepRecipe
-from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng
+from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
+from polytrain.train.integrity import signature
 from polytrain.train.optim import build_optimizer
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
 from polytrain.train.tasks import Task, check_takes_labels, get_task
@@ -208,7 +209,20 @@ def _resume(s: Session) -> None:
     if s.checkpointer is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     trainers = s.strategy.trainers
-    state = trainers.broadcast_object(s.checkpointer.load_latest() if trainers.is_main else None)
+    found: tuple[dict[str, Any] | None, str | None, str | None] = (None, None, None)  # state, its file, error
+    if trainers.is_main:
+        # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
+        # the model's own state_dict says which tensors a checkpoint of it holds
+        choice = s.checkpointer.choose(signature(s.strategy.unwrap().state_dict()))
+        warn_choice(choice, s.log.warning, "--resume: ")
+        if choice.good is not None:
+            found = (choice.good.state, str(choice.good.path), None)
+        elif choice.rejected:
+            found = (None, None, f"--resume: {choice.no_good_message(s.checkpointer.directory)}")
+    # every trainer raises the same error, rather than the others waiting for rank 0's end
+    state, path, error = trainers.broadcast_object(found)
+    if error:
+        raise ConfigError(error)
     if state is None:
         s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
         return
@@ -227,4 +241,4 @@ def _resume(s: Session) -> None:
     else:
         s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
-    s.log.info(f"resumed from step {s.start_step} ({s.checkpointer.latest()})")
+    s.log.info(f"resumed from step {s.start_step} ({path})")
