@@ -23,6 +23,7 @@ from polytrain.strategies import get_strategy
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
 from polytrain.train.session import strategy_options
+from polytrain.train.straggler import check_stragglers
 from polytrain.train.trainer import train_worker
 
 
@@ -37,6 +38,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_device_config(config.device, processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(workers, config.global_batch(slices), config.train.accumulate, options)
+    check_stragglers(config.straggler.straggler, workers)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")

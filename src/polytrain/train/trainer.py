@@ -31,6 +31,7 @@ from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save
 from polytrain.train.loggers import RunLog
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
+from polytrain.train.straggler import StragglerInjector
 
 
 class Trainer:
@@ -43,6 +44,7 @@ class Trainer:
         self.strategy = self.s.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
         self.topology = self.strategy.trainers
+        self.straggler = StragglerInjector(config.straggler.straggler, self.topology.rank, config.train.seed)
 
     def fit(self) -> dict[str, Any]:
         if self.strategy.role != "trainer":
@@ -83,6 +85,7 @@ class Trainer:
             done = step + 1
             elapsed = time.perf_counter() - tick
             waited = strategy.take_wait_seconds()
+            elapsed += self.straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
             meter.add(result.examples, elapsed, waited, result.loss)
             totals.add(result.examples, elapsed, waited, result.loss)
             run_log.advance()
@@ -128,7 +131,8 @@ class Trainer:
         # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers
         per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
                                                     meter.mean_loss, self.guard.first_bad(),
-                                                    self.strategy.take_metrics()))
+                                                    {**self.strategy.take_metrics(),
+                                                     **self.straggler.take_metrics()}))
         self._stop_if_diverged([bad for _, _, _, bad, _ in per_rank])
         losses = [loss for _, _, loss, _, _ in per_rank if loss is not None]  # the ranks that hold the loss
         keys = sorted({key for *_, extra in per_rank for key in extra})
@@ -204,6 +208,7 @@ class Trainer:
             "workers": self.topology.world_size,
             "global_batch": s.plan.global_batch,
             **strategy_numbers,
+            **self.straggler.summary(self.topology),
         }
 
 
