@@ -8,6 +8,8 @@ from typing import Sequence
 
 from polytrain import __version__
 from polytrain.cli import bench as bench_cmd
+from polytrain.cli import compare as compare_cmd
+from polytrain.cli import checkpoint as checkpoint_cmd
 from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
 from polytrain.cli import train as train_cmd
@@ -34,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(sub)
     devices_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    compare_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    checkpoint_cmd.add_parser(sub)
     return parser
 
 

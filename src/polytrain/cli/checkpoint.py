@@ -1,0 +1,187 @@
+"""``polytrain checkpoint inspect|export``: what a run's checkpoints hold, and their model as a plain state_dict.
+
+Both check every file the way ``--resume`` does (size and SHA-256 against its manifest, a polytrain checkpoint
+of the step its name says) and use the newest good one unless ``--step`` names another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DESCRIPTION = """\
+inspect: list every checkpoint in DIR with its size and checksum status and the one 'latest' points to, then
+show what the newest good one (or --step N) holds: step, strategy, world size, data position, the model's
+tensors with shapes and sizes, the optimizer state and the total size.
+export: write the model of the newest good checkpoint (or --step N) as a plain state_dict, as
+'polytrain train --save-model' writes it; torch.load(FILE, weights_only=True) reads it."""
+
+EXAMPLES = """\
+examples:
+  polytrain checkpoint inspect runs/c10
+  polytrain checkpoint inspect runs/c10 --step 1000
+  polytrain checkpoint export runs/c10 model.pt
+"""
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("checkpoint", help="inspect a run's checkpoints or export one's model",
+                            description=DESCRIPTION, epilog=EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True,
+                                    parser_class=type(parser))
+    inspect = actions.add_parser("inspect", help="what the checkpoints in DIR hold, and whether they are intact")
+    inspect.add_argument("dir", metavar="DIR", help="a --checkpoint-dir")
+    inspect.add_argument("--step", type=int, metavar="N", help="show this step's checkpoint (default: newest good)")
+    inspect.set_defaults(handler=run_inspect)
+    export = actions.add_parser("export", help="write a checkpoint's model as a plain state_dict")
+    export.add_argument("dir", metavar="DIR", help="a --checkpoint-dir")
+    export.add_argument("out", metavar="FILE", help="where to write the state_dict (e.g. model.pt)")
+    export.add_argument("--step", type=int, metavar="N", help="export this step (default: the newest good one)")
+    export.set_defaults(handler=run_export)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from polytrain.errors import ConfigError
+
+    checkpointer, verdicts = _verdicts(args.dir)
+    latest = checkpointer.latest()
+    print(f"{args.dir}: {len(verdicts)} checkpoint(s); latest -> {latest.name if latest else '(none)'}")
+    for verdict in sorted(verdicts, key=lambda v: v.step):
+        print("  " + _status_line(verdict) + ("  <- latest" if verdict.path == latest else ""))
+    chosen = _pick(args, verdicts)
+    if not chosen.ok:
+        raise ConfigError(f"checkpoint {chosen.describe()}")
+    print(f"{chosen.path.name}" + ("" if args.step is not None else " (the newest good one)") + ":")
+    for line in _contents(chosen.state, chosen.size):
+        print("  " + line)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from polytrain.errors import ConfigError
+    from polytrain.train.checkpoint import atomic_save
+
+    _, verdicts = _verdicts(args.dir)
+    chosen = _pick(args, verdicts)
+    if not chosen.ok:
+        raise ConfigError(f"checkpoint {chosen.describe()}")
+    for verdict in verdicts:  # the newer ones passed over, as --resume would report them
+        if verdict is chosen:
+            break
+        if args.step is None:
+            print(f"polytrain: warning: checkpoint {verdict.describe()}; skipped for an earlier one",
+                  file=sys.stderr)
+    model = chosen.state.get("model")
+    if not isinstance(model, dict) or not model:
+        raise ConfigError(f"checkpoint {chosen.path} holds no model state_dict")
+    try:
+        atomic_save({k: v.detach().cpu() for k, v in model.items()}, args.out)
+    except OSError as exc:
+        raise ConfigError(f"{args.out}: cannot write the model there ({exc.strerror or exc})") from None
+    print(f"wrote {args.out}: the model of step {chosen.state['step']} ({len(model)} tensors) from {chosen.path}")
+    return 0
+
+
+def _verdicts(directory: str) -> tuple[Any, list[Any]]:
+    """The directory's checkpoints, each verified, in the order --resume tries them."""
+    from polytrain.errors import ConfigError
+    from polytrain.train.checkpoint import Checkpointer
+    from polytrain.train.integrity import verify
+
+    checkpointer = Checkpointer(directory)
+    candidates = checkpointer.candidates()
+    if not candidates:
+        raise ConfigError(f"{directory}: no checkpoint there (no step-NNNNNNNN.pt file)")
+    return checkpointer, [verify(path) for path in candidates]
+
+
+def _pick(args: argparse.Namespace, verdicts: list[Any]) -> Any:
+    """The verdict of --step N, or the first good one in --resume's order."""
+    from polytrain.errors import ConfigError
+    from polytrain.train.checkpoint import Choice
+
+    if args.step is not None:
+        found = [v for v in verdicts if v.step == args.step]
+        if not found:
+            steps = ", ".join(str(v.step) for v in sorted(verdicts, key=lambda v: v.step))
+            raise ConfigError(f"{args.dir}: no checkpoint of step {args.step} (steps: {steps})")
+        return found[0]
+    good = next((v for v in verdicts if v.ok), None)
+    if good is None:
+        from pathlib import Path
+        raise ConfigError(Choice(None, verdicts).no_good_message(Path(args.dir)))
+    return good
+
+
+def _status_line(verdict: Any) -> str:
+    size = f"{verdict.size:>14,} B" if verdict.size is not None else f"{'?':>16}"
+    manifest = verdict.manifest or {}
+    model = (manifest.get("model") or {}).get("fingerprint")
+    if verdict.verified:
+        status = "ok, size and SHA-256 match its manifest"
+    elif verdict.ok:
+        status = "ok, but no manifest: loads, cannot be verified"
+    else:
+        status = f"BAD: {verdict.problem}"
+    return f"{verdict.path.name}  {size}  {status}" + (f"  (model {model})" if model and verdict.ok else "")
+
+
+def _contents(state: dict[str, Any], file_size: int | None) -> list[str]:
+    """What a loaded checkpoint holds, one line each."""
+    from polytrain.train.integrity import fingerprint, signature
+
+    config = state.get("config") or {}
+    position = state.get("data_position") or {}
+    model = state.get("model") or {}
+    model_args = ",".join(f"{k}={v}" for k, v in (config.get("model_args") or {}).items())
+    lines = [
+        f"step {state.get('step')}, strategy {state.get('strategy', '?')}, world size {state.get('world_size', '?')}",
+        f"data position: epoch {position.get('epoch', '?')}, batch {position.get('batch', '?')} of it "
+        f"(global batch {position.get('global_batch', '?')}); data {config.get('data', '?')}",
+        f"schedule {state.get('schedule', '?')}; optimizer {config.get('optimizer', '?')}",
+        f"model {config.get('model', '?')}{':' + model_args if model_args else ''} "
+        f"(fingerprint {fingerprint(signature(model))}): {len(model)} tensors, "
+        f"{sum(t.numel() for t in model.values()):,} values, {_bytes(_tensor_bytes(model))}",
+    ]
+    width = max((len(name) for name in model), default=0)
+    for name, t in model.items():
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        lines.append(f"  {name:<{width}}  {shape:<14} {str(t.dtype).removeprefix('torch.'):<9} "
+                     f"{_bytes(t.numel() * t.element_size())}")
+    for key in sorted(k for k in state if k not in ("model", "config", "format")):
+        count = _count_tensors(state[key])
+        if count:
+            lines.append(f"{key}: {count} tensor(s), {_bytes(_tensor_bytes(state[key]))}")
+    lines.append(f"tensors in all: {_bytes(_tensor_bytes(state))}; file {_bytes(file_size or 0)}")
+    return lines
+
+
+def _tensors(value: Any):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _count_tensors(value: Any) -> int:
+    return sum(1 for _ in _tensors(value))
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
