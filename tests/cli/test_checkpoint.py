@@ -1,0 +1,116 @@
+"""`polytrain checkpoint inspect|export` and `train --resume` past a damaged checkpoint, as a user runs them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from polytrain.models.registry import build_model
+from polytrain.train.checkpoint import load_checkpoint
+from tests.conftest import SRC
+
+TRAIN = ["--strategy", "sync", "--workers", "2", "--model", "mlp:hidden=32", "--data", "digits", "--batch-size", "32",
+         "--seed", "2", "--checkpoint-every", "10", "--eval-every", "0", "--log-every", "1", "--progress", "off"]
+
+
+def polytrain(*args, env):
+    return subprocess.run([sys.executable, "-m", "polytrain", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A sync run on 2 workers, checkpointed at steps 10 and 20, whose model at step 20 is also --save-model's."""
+    out = tmp_path_factory.mktemp("run")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}  # as cli_env, once per module
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = polytrain("train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(out / "ckpt"), "--save-model",
+                     str(out / "model.pt"), "--metrics-file", str(out / "whole.jsonl"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _flipped_copy(run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run / "ckpt", ckpt)
+    newest = ckpt / "step-00000020.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    return ckpt
+
+
+def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, cli_env):
+    proc = polytrain("checkpoint", "inspect", str(run / "ckpt"), env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"{run / 'ckpt'}: 2 checkpoint(s); latest -> step-00000020.pt"
+    assert lines[1].startswith("  step-00000010.pt") and "ok, size and SHA-256 match its manifest" in lines[1]
+    assert lines[2].startswith("  step-00000020.pt") and lines[2].endswith("<- latest")
+    assert lines[3] == "step-00000020.pt (the newest good one):"
+    assert "  step 20, strategy sync, world size 2" in lines
+    assert "  data position: epoch 0, batch 20 of it (global batch 32); data digits" in lines
+    assert any(line.split() == ["1.weight", "32x64", "float32", "8.0", "KiB"] for line in lines), proc.stdout
+    assert any(line.startswith("  optimizer: ") for line in lines)
+    assert lines[-1].startswith("  tensors in all: ") and "; file " in lines[-1]
+
+
+def test_export_writes_the_model_that_save_model_wrote(run, cli_env, tmp_path):
+    proc = polytrain("checkpoint", "export", str(run / "ckpt"), str(tmp_path / "exported.pt"), env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"the model of step 20 (4 tensors) from {run / 'ckpt' / 'step-00000020.pt'}" in proc.stdout
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+    saved = torch.load(run / "model.pt", weights_only=True)
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    build_model("mlp:hidden=32", input_shape=(1, 8, 8), num_classes=10).load_state_dict(exported)  # strict
+
+
+def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_path):
+    ckpt = _flipped_copy(run, tmp_path)
+    inspect = polytrain("checkpoint", "inspect", str(ckpt), env=cli_env)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "step-00000020.pt" in inspect.stdout and "BAD: is corrupted: its SHA-256 is " in inspect.stdout
+    assert "step-00000010.pt (the newest good one):" in inspect.stdout
+    export = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / "m.pt"), env=cli_env)
+    assert export.returncode == 0, export.stderr
+    assert f"polytrain: warning: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: " in export.stderr
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)
+    at_10 = load_checkpoint(ckpt / "step-00000010.pt")["model"]
+    assert all(torch.equal(exported[k], at_10[k]) for k in at_10)
+    named = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / "x.pt"), "--step", "20", env=cli_env)
+    assert named.returncode == 2 and not (tmp_path / "x.pt").exists()
+    assert len(named.stderr.strip().splitlines()) == 1
+    assert named.stderr.startswith(f"polytrain: error: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 ")
+
+
+def test_a_directory_without_a_good_checkpoint_is_one_line(run, cli_env, tmp_path):
+    ckpt = _flipped_copy(run, tmp_path)
+    (ckpt / "step-00000010.pt").write_bytes(b"")
+    for command in (["inspect", str(ckpt)], ["export", str(ckpt), str(tmp_path / "m.pt")]):
+        proc = polytrain("checkpoint", *command, env=cli_env)
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert proc.stderr.startswith(f"polytrain: error: none of the 2 checkpoint(s) in {ckpt} can be used: "
+                                      "step-00000020.pt is corrupted: its SHA-256 is ")
+        assert "; step-00000010.pt is truncated: 0 bytes" in proc.stderr
+    assert polytrain("checkpoint", "inspect", str(tmp_path / "empty"), env=cli_env).stderr.strip() == \
+        f"polytrain: error: {tmp_path / 'empty'}: no checkpoint there (no step-NNNNNNNN.pt file)"
+
+
+def test_resume_on_two_workers_continues_from_the_previous_good_checkpoint(run, cli_env, tmp_path):
+    ckpt = _flipped_copy(run, tmp_path)
+    metrics = tmp_path / "resumed.jsonl"
+    proc = polytrain("train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(ckpt), "--resume", "--metrics-file",
+                     str(metrics), env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: --resume: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 is " in proc.stdout
+    assert f"resumed from step 10 ({ckpt / 'step-00000010.pt'})" in proc.stdout
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    whole = {r["step"]: r["loss"] for r in map(json.loads, (run / "whole.jsonl").read_text().splitlines())
+             if r["event"] == "step"}
+    resumed = {r["step"]: r["loss"] for r in steps if r["event"] == "step"}
+    assert sorted(resumed) == list(range(11, 21)) and all(resumed[s] == whole[s] for s in resumed)
