@@ -1,0 +1,155 @@
+"""The comparison's table (text, Markdown, JSON) and its plot of loss against time and examples seen.
+
+Ratios are taken against ``sync`` run under the same stragglers in the same invocation: absolute numbers
+drift on a shared machine, ratios of runs taken minutes apart much less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from polytrain.compare.runner import Outcome
+from polytrain.compare.specs import CompareConfig
+
+REFERENCE = "sync"
+
+
+def rows(cfg: CompareConfig, outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """One row per case, with its ratios to sync under the same stragglers (when sync ran)."""
+    # the reference is plain "sync" (not "sync:comm=backend"), one per set of stragglers
+    reference = {tuple(o.stragglers): o for o in outcomes if o.label.split(" ")[0] == REFERENCE}
+    out = []
+    for o in outcomes:
+        s = o.summary
+        row = {
+            "case": o.label,
+            "strategy": o.strategy,
+            "stragglers": o.stragglers,
+            "examples_per_sec": o.examples_per_sec,
+            "time_to_target_s": o.time_to(cfg.target_accuracy, cfg.target_loss),
+            "eval_accuracy": s.get("eval_accuracy"),
+            "eval_loss": s.get("eval_loss"),
+            "bytes_sent_per_example": s.get("bytes_sent_per_example"),
+            "max_staleness": s.get("max_staleness"),
+            "mean_staleness": s.get("mean_staleness"),
+            "wall_s": s.get("wall_s"),
+            "rank_examples_per_sec": s.get("rank_examples_per_sec"),
+            "rank_straggler_s": s.get("rank_straggler_s"),
+        }
+        ref = reference.get(tuple(o.stragglers))
+        if ref is not None and ref is not o:
+            r = ref.summary
+            row["speed_vs_sync"] = _ratio(o.examples_per_sec, ref.examples_per_sec)
+            # how many times fewer bytes than sync moves per example
+            row["fewer_bytes_than_sync"] = _ratio(r.get("bytes_sent_per_example"), s.get("bytes_sent_per_example"))
+            if s.get("eval_accuracy") is not None and r.get("eval_accuracy") is not None:
+                row["accuracy_vs_sync_points"] = round(100 * (s["eval_accuracy"] - r["eval_accuracy"]), 2)
+        out.append(row)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def document(cfg: CompareConfig, table: list[dict[str, Any]], outcomes: list[Outcome], notes: list[str]) -> dict[str, Any]:
+    from polytrain.bench.report import environment
+
+    return {
+        "config": dataclasses.asdict(cfg),
+        # on a shared machine the load says how much the absolute numbers mean
+        "environment": {**environment(), "load_average": [round(v, 2) for v in os.getloadavg()]},
+        "notes": notes,
+        "rows": table,
+        "curves": {o.label: {"time_s": [c[0] for c in o.curve], "examples": [c[1] for c in o.curve],
+                             "loss": [c[2] for c in o.curve], "evals": o.evals} for o in outcomes},
+    }
+
+
+COLUMNS = [  # (key, heading, format)
+    ("case", "case", "{}"),
+    ("examples_per_sec", "examples/s", "{:.0f}"),
+    ("speed_vs_sync", "x sync", "{:.2f}"),
+    ("time_to_target_s", "time to target (s)", "{:.2f}"),
+    ("eval_accuracy", "final acc", "{:.4f}"),
+    ("eval_loss", "final loss", "{:.4f}"),
+    ("bytes_sent_per_example", "bytes sent/example", "{:,.0f}"),
+    ("fewer_bytes_than_sync", "sync bytes / these", "{:.1f}"),
+    ("staleness", "staleness max/mean", "{}"),
+]
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    cells = []
+    for key, _, fmt in COLUMNS:
+        if key == "staleness":
+            top, mean = row.get("max_staleness"), row.get("mean_staleness")
+            cells.append("-" if top is None else f"{top}/{mean:.2f}" if mean is not None else f"{top}")
+            continue
+        value = row.get(key)
+        cells.append("-" if value is None else fmt.format(value))
+    return cells
+
+
+def _target(cfg: CompareConfig) -> str:
+    parts = ([f"eval accuracy >= {cfg.target_accuracy:g}"] if cfg.target_accuracy is not None else []) + \
+            ([f"eval loss <= {cfg.target_loss:g}"] if cfg.target_loss is not None else [])
+    return " or ".join(parts) or "none"
+
+
+def _heading(doc: dict[str, Any]) -> list[str]:
+    cfg, env = doc["config"], doc["environment"]
+    return [f"{cfg['model']} on {cfg['data']}, {cfg['workers']} workers x {cfg['worker_batch_size']} examples per "
+            f"step, {cfg['steps']} steps, {cfg['optimizer']} lr {cfg['lr']:g} momentum {cfg['momentum']:g}, "
+            f"evaluated every {cfg['eval_every']} steps; target: "
+            f"{_target(CompareConfig(**{k: v for k, v in cfg.items()}))}",
+            f"{env['cpu']}, {env['cores']} cores (load average {env.get('load_average')}), torch {env['torch']}, "
+            f"polytrain {env['polytrain']}, {env['date']}"]
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    table = [[h for _, h, _ in COLUMNS]] + [_cells(r) for r in doc["rows"]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in table]
+    return "\n".join(_heading(doc) + [""] + lines + [f"note: {n}" for n in doc["notes"]])
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    head = [h for _, h, _ in COLUMNS]
+    lines = [f"# polytrain compare", "", *(f"{line}  " for line in _heading(doc)), "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in doc["rows"]]
+    lines += [""] + [f"- {n}" for n in doc["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(outcomes: list[Outcome], path: Path, title: str = "") -> None:
+    """Training loss against wall-clock seconds and against examples seen, one line per case (dashed: with
+    stragglers). Needs matplotlib (``pip install polytrain[plot]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_examples) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    colours = {}
+    for o in outcomes:
+        colour = colours.setdefault(o.label.split(" ")[0], f"C{len(colours)}")
+        style = "--" if o.stragglers else "-"
+        times, examples, losses = zip(*o.curve) if o.curve else ((), (), ())
+        by_time.plot(times, losses, style, color=colour, label=o.label)
+        by_examples.plot(examples, losses, style, color=colour, label=o.label)
+    by_time.set(xlabel="wall-clock seconds of training", ylabel="training loss", yscale="log")
+    by_examples.set(xlabel="examples seen (all workers)")
+    by_examples.legend(fontsize=8)
+    for ax in (by_time, by_examples):
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,69 @@
+"""polytrain compare: spec parsing, checks before anything trains, and one small real comparison end to end."""
+
+import json
+
+import pytest
+
+from polytrain.cli.main import main
+from polytrain.compare import available, parse_spec, parse_specs
+from polytrain.errors import ConfigError
+
+
+def test_specs_parse_names_settings_and_module_paths():
+    assert parse_spec("async").name == "async"  # parsed whether or not it is registered here
+    spec = parse_spec("async:staleness=2")
+    assert (spec.name, spec.settings) == ("async", {"staleness": "2"})
+    spec = parse_spec("diloco:sync-every=8:outer_lr=0.5")
+    assert (spec.name, spec.settings) == ("diloco", {"sync_every": "8", "outer_lr": "0.5"})
+    spec = parse_spec("my.pkg.mod:Fancy:sync_every=4")
+    assert (spec.name, spec.settings) == ("my.pkg.mod:Fancy", {"sync_every": "4"})
+    assert [s.text for s in parse_specs("sync, local-sgd:sync_every=8,")] == ["sync", "local-sgd:sync_every=8"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sync,sync", "given twice"),
+    ("local-sgd:sync_every=", "expected KEY=VALUE"),
+    ("sync:workers=4", "workers is shared by every case"),
+    ("", "at least one strategy"),
+])
+def test_bad_specs_are_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_specs(text)
+
+
+def test_a_missing_strategy_is_skipped_from_the_defaults_but_an_error_when_named():
+    specs = parse_specs("sync,surely-not-registered:x=1")
+    kept, notes = available(specs, named_by_user=False)
+    assert [s.name for s in kept] == ["sync"] and "surely-not-registered" in notes[0]
+    with pytest.raises(ConfigError, match="unknown strategy 'surely-not-registered'"):
+        available(specs, named_by_user=True)
+
+
+def test_every_case_is_checked_before_any_trains(tmp_path, capsys):
+    code = main(["compare", "--strategies", "sync,local-sgd:sync_every=0", "--out", str(tmp_path), "--no-plot"])
+    assert code != 0
+    assert capsys.readouterr().err == "polytrain: error: case local-sgd:sync_every=0: --sync-every: must be >= 1, got 0\n"
+    assert not (tmp_path / "runs").exists(), "nothing trained"
+
+
+@pytest.mark.slow  # four runs, each spawning 2 workers
+def test_compare_runs_every_case_with_and_without_a_straggler(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    code = main(["compare", "--strategies", "sync,diloco:sync_every=2", "--straggler", "1:2", "--steps", "10",
+                 "--eval-every", "10", "--log-every", "5", "--model", "mlp:hidden=16", "--set", "comm=backend",
+                 "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / "compare.json").read_text())
+    cases = [row["case"] for row in doc["rows"]]
+    assert cases == ["sync", "diloco:sync_every=2", "sync +straggler 1:2", "diloco:sync_every=2 +straggler 1:2"]
+    rows = {row["case"]: row for row in doc["rows"]}
+    # ring model, same payload: diloco exchanges parameters every 2 steps, sync gradients every step
+    assert rows["diloco:sync_every=2"]["fewer_bytes_than_sync"] == 2.0
+    assert rows["diloco:sync_every=2 +straggler 1:2"]["fewer_bytes_than_sync"] == 2.0
+    slept = rows["sync +straggler 1:2"]["rank_straggler_s"]
+    assert slept[0] == 0 and slept[1] > 0
+    assert all(len(doc["curves"][case]["loss"]) == 2 for case in cases)
+    assert (out / "compare.png").stat().st_size > 0
+    assert "| case | examples/s |" in (out / "compare.md").read_text()
+    assert "diloco:sync_every=2 +straggler 1:2" in capsys.readouterr().out
