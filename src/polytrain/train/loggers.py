@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from polytrain.log import get_logger
@@ -37,6 +38,10 @@ class LogConfig:
                                   minimum=0, metavar="N")
     progress: str = option("auto", "console output: auto (a bar on a terminal, lines otherwise), bar, lines, off",
                            choices=PROGRESS)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -98,6 +103,11 @@ class RunLog:
                 self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
             for rank, value in enumerate(record.get("rank_batch", [])):
                 self._tb.add_scalar(f"perf/rank{rank}_batch", value, step)
+            for key, values in record.items():  # a strategy's own per-rank numbers (take_metrics)
+                if key.startswith("rank_") and key not in ("rank_examples_per_sec", "rank_batch"):
+                    for rank, value in enumerate(values):
+                        if _number(value):
+                            self._tb.add_scalar(f"strategy/rank{rank}_{key[5:]}", value, step)
         ranks, slices = record.get("rank_examples_per_sec", []), record.get("rank_batch", [])
         per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
         if len(set(slices)) > 1:  # a balanced split moved examples between ranks: show how many each took
@@ -143,6 +153,14 @@ class RunLog:
         if not self.enabled:
             return
         self._write({"event": "end", **summary})
+        if self._tb is not None:  # the summary's numbers, and its histograms ({value: count}), at the last step
+            step = summary.get("steps", 0)
+            for key, value in summary.items():
+                if _number(value):
+                    self._tb.add_scalar(f"summary/{key}", value, step)
+                elif key.endswith("_histogram") and isinstance(value, dict) and value:
+                    values = torch.tensor([float(k) for k in value]).repeat_interleave(torch.tensor(list(value.values())))
+                    self._tb.add_histogram(f"summary/{key[:-len('_histogram')]}", values, step)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
