@@ -85,6 +85,8 @@ def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_p
     assert named.returncode == 2 and not (tmp_path / "x.pt").exists()
     assert len(named.stderr.strip().splitlines()) == 1
     assert named.stderr.startswith(f"polytrain: error: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 ")
+    unknown = polytrain("checkpoint", "inspect", str(ckpt), "--step", "7", env=cli_env)
+    assert unknown.returncode == 2 and unknown.stderr == f"polytrain: error: {ckpt}: no checkpoint of step 7 (steps: 10, 20)\n"
 
 
 def test_a_directory_without_a_good_checkpoint_is_one_line(run, cli_env, tmp_path):

@@ -125,6 +125,11 @@ def test_a_sound_checkpoint_made_with_other_settings_stays_an_error(runs, tmp_pa
         _resume(_copy(runs, tmp_path), tmp_path, capsys, optimizer="adam")
 
 
+def test_resume_without_a_checkpoint_dir_is_one_error():
+    with pytest.raises(ConfigError, match=r"^--resume needs --checkpoint-dir DIR \(where the checkpoints are\)$"):
+        polytrain.fit(model=MODEL, steps=1, resume=True, **{k: v for k, v in RUN.items() if k != "checkpoint_every"})
+
+
 def test_checkpoints_without_a_manifest_still_resume_with_a_warning(runs, tmp_path, capsys):
     ckpt = _copy(runs, tmp_path)
     for manifest in ckpt.glob("*.json"):
