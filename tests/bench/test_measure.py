@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.bench.cases import BenchConfig, plan
+from polytrain.bench.cases import BenchConfig, plan, tokens_per_example
 from polytrain.bench.measure import BenchError, ddp_command, run_case, window_from_metrics
 
 SMALL = BenchConfig(model="cifar_cnn", data="synthetic:shape=3x24x24,size=64,test_size=0", worker_batch_size=4,
@@ -43,6 +43,26 @@ def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path, cli_env):
     assert done.returncode == 0, done.stderr
     solo = torch.load(tmp_path / "alone.pt", weights_only=True)
     assert max((solo[n] - theirs[n]).norm() / theirs[n].norm() for n in solo) > 1e-3
+
+
+def test_the_ddp_script_trains_a_language_model_exactly_like_polytrain_sync(tmp_path, cli_env):
+    """`polytrain bench --model transformer_lm --data text`: the script's token-mean cross-entropy on the same
+    windows takes polytrain sync's steps."""
+    lm = BenchConfig(model="transformer_lm:layers=1,dim=32,heads=2", data="text:seq_len=16", worker_batch_size=4,
+                     workers=2, warmup=2, steps=4, repeats=1, lr=0.05)
+    ddp = next(c for c in plan(lm, cores=2) if c.key == "ddp")
+    done = subprocess.run(ddp_command(ddp, lm, tmp_path / "ddp.json", tmp_path / "ddp.pt"), env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    polytrain.fit(model=lm.model, data=lm.data, strategy="sync", workers="2", batch_size=8, steps=6,
+                  optimizer="sgd", lr=lm.lr, momentum=lm.momentum, seed=lm.seed, eval_every=0, progress="off",
+                  save_model=str(tmp_path / "sync.pt"))
+    ours = torch.load(tmp_path / "sync.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert (ours[name] - theirs[name]).norm() <= 1e-5 * theirs[name].norm(), name
+    assert tokens_per_example(lm.data) == 16 and tokens_per_example(SMALL.data) is None
 
 
 def test_a_polytrain_case_is_timed_from_its_metrics_file(tmp_path):

@@ -44,3 +44,15 @@ def test_medians_and_ratios():
     text, markdown = format_text(doc), format_markdown(doc)
     assert "NOT met" in text and "0.925" in text
     assert "| polytrain sync, 2 workers x 1 thread | 2 × 1 | 128 | 185.0 |" in markdown
+
+
+def test_language_model_rows_give_tokens_per_second():
+    cfg = BenchConfig(model="transformer_lm", data="text", workers=2)
+    cases = plan(cfg, cores=2)
+    table = rows(cases, _measurements({c.key: [100, 110, 120] for c in cases}))
+    doc = result_document(cfg, table, tokens_per_example=128)
+    assert doc["tokens_per_example"] == 128
+    assert all(r["tokens_per_sec"] == 110 * 128 for r in doc["rows"])
+    assert "tokens/s" in format_text(doc) and "14080" in format_text(doc)
+    assert "| tokens/s |" in format_markdown(doc) and "| 110.0 | 14080 |" in format_markdown(doc)
+    assert "tokens_per_example" not in result_document(cfg, table)  # examples only for other data

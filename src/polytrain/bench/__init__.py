@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from polytrain.bench.cases import BenchConfig, Case, describe, interleaved, plan
+from polytrain.bench.cases import BenchConfig, Case, describe, interleaved, plan, tokens_per_example
 from polytrain.bench.measure import BenchError, Measurement, run_case
 from polytrain.bench.report import format_markdown, format_text, result_document, rows
 
@@ -27,4 +27,4 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda message
             m = run_case(case, cfg, repeat, Path(tmp))
             measurements.append(m)
             progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {m.examples_per_sec:.1f} examples/s")
-    return result_document(cfg, rows(cases, measurements))
+    return result_document(cfg, rows(cases, measurements), tokens_per_example(cfg.data, cfg.seed))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from polytrain.data.registry import check_data
+import torch
+
+from polytrain.data.registry import build_data, check_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES
 from polytrain.distributed.launch import available_cores
 from polytrain.errors import ConfigError
@@ -47,6 +49,16 @@ class BenchConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def tokens_per_example(data: str, seed: int = 0) -> float | None:
+    """Real target tokens per training example of language-model data (None for other tasks): exact for
+    fixed-length windows (``text``), the training set's mean for sentences of different lengths."""
+    bundle = build_data(data, seed=seed)
+    count = getattr(bundle.train, "count_units", None)
+    if bundle.task != "lm" or count is None:
+        return None
+    return count(torch.arange(len(bundle.train))) / len(bundle.train)
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
     if not hasattr(data.train, "get_batch"):
         raise SystemExit(f"--data {args.data}: the DDP reference needs a dataset that gathers a batch in one "
                          "op (get_batch): digits, synthetic or cifar10")
-    if data.task != "classification":
-        raise SystemExit(f"--data {args.data}: the DDP reference trains classifiers (cross-entropy) only")
+    if data.task not in ("classification", "lm"):
+        raise SystemExit(f"--data {args.data}: the DDP reference trains classifiers and language models "
+                         "(cross-entropy) only")
     model = build_model(args.model, input_shape=data.input_shape, num_classes=data.num_outputs)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -96,7 +97,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         x, y = data.train.get_batch(shard.take(plan.global_indices(step)), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         with model.no_sync() if args.no_sync else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x), y)
+            loss = cross_entropy(model(x), y)
             loss.backward()
         optimizer.step()
     elapsed = time.perf_counter() - started
@@ -106,6 +107,17 @@ def train(rank: int, args: argparse.Namespace) -> None:
         with open(args.result, "w") as fh:
             json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed,
                        "timed_steps": args.steps, "global_batch": global_batch, "final_loss": loss.item()}, fh)
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a user writes: over classes, or for a language model's (batch, time, vocabulary) outputs the
+    mean over the batch's real (not padded, -100) target tokens. Fixed-length windows (``text``) give every
+    worker the same number of tokens, so averaging the workers' gradients is the global token mean, as in
+    polytrain; for sentences of different lengths it is not (polytrain weighs slices by tokens), which does
+    not matter for timing."""
+    if outputs.dim() == 3:
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(outputs, targets)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,9 +96,16 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def result_document(cfg: BenchConfig, table: list[Row]) -> dict[str, Any]:
-    return {"config": cfg.to_dict(), "env": environment(), "rows": [r.to_dict() for r in table],
-            "ratios": ratios(table, cfg.workers)}
+def result_document(cfg: BenchConfig, table: list[Row], tokens_per_example: float | None = None) -> dict[str, Any]:
+    """``tokens_per_example`` (language-model data) adds tokens/s to every row; the ratios are the same
+    whether counted in examples or tokens, since every case trains on the same batches."""
+    doc = {"config": cfg.to_dict(), "env": environment(), "rows": [r.to_dict() for r in table],
+           "ratios": ratios(table, cfg.workers)}
+    if tokens_per_example is not None:
+        doc["tokens_per_example"] = tokens_per_example
+        for row in doc["rows"]:
+            row["tokens_per_sec"] = round(row["examples_per_sec"] * tokens_per_example, 1)
+    return doc
 
 
 def _verdict(ratio: dict[str, Any]) -> str:
@@ -114,12 +121,14 @@ def format_text(doc: dict[str, Any]) -> str:
              f"warm-up; {env['cores']} cores ({env['cpu']}), torch {env['torch']}", ""]
     case_width = max(len(row["label"]) for row in doc["rows"])
     ratio_width = max(len(ratio["label"]) for ratio in doc["ratios"])
+    tokens = "tokens_per_example" in doc
     lines.append(f"{'case':<{case_width}} {'workers x threads':>17} {'batch':>6} {'examples/s':>11} "
-                 f"{'s/batch':>8}  runs")
+                 + (f"{'tokens/s':>10} " if tokens else "") + f"{'s/batch':>8}  runs")
     for row in doc["rows"]:
         runs = " ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
         lines.append(f"{row['label']:<{case_width}} {row['workers']:>8} x {row['threads_per_worker']:<6} "
-                     f"{row['global_batch']:>6} {row['examples_per_sec']:>11.1f} {row['sec_per_batch']:>8.4f}  {runs}")
+                     f"{row['global_batch']:>6} {row['examples_per_sec']:>11.1f} "
+                     + (f"{row['tokens_per_sec']:>10.0f} " if tokens else "") + f"{row['sec_per_batch']:>8.4f}  {runs}")
     lines.append("")
     for ratio in doc["ratios"]:
         spread = f"{min(ratio['per_repeat']):.3f}-{max(ratio['per_repeat']):.3f}"
@@ -130,16 +139,19 @@ def format_text(doc: dict[str, Any]) -> str:
 
 def format_markdown(doc: dict[str, Any]) -> str:
     cfg, env = doc["config"], doc["env"]
+    tokens = "tokens_per_example" in doc
     lines = [f"`{cfg['model']}` on `{cfg['data']}`, {cfg['worker_batch_size']} examples per worker per step, "
              f"median of {cfg['repeats']} interleaved repeats of {cfg['steps']} timed steps after "
              f"{cfg['warmup']} warm-up steps. {env['cores']} cores ({env['cpu']}), torch {env['torch']}, "
              f"Python {env['python']}, {env['date']}.", "",
-             "| case | workers × threads | global batch | examples/s (median) | s/batch | runs |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| case | workers × threads | global batch | examples/s (median) | "
+             + ("tokens/s | " if tokens else "") + "s/batch | runs |",
+             "|---|---:|---:|---:|" + ("---:|" if tokens else "") + "---:|---|"]
     for row in doc["rows"]:
         runs = ", ".join(f"{r:.0f}" for r in row["runs_examples_per_sec"])
         lines.append(f"| {row['label']} | {row['workers']} × {row['threads_per_worker']} | {row['global_batch']} | "
-                     f"{row['examples_per_sec']:.1f} | {row['sec_per_batch']:.4f} | {runs} |")
+                     f"{row['examples_per_sec']:.1f} | " + (f"{row['tokens_per_sec']:.0f} | " if tokens else "")
+                     + f"{row['sec_per_batch']:.4f} | {runs} |")
     lines += ["", "| ratio (median of per-repeat ratios) | value | per repeat | target |", "|---|---:|---|---|"]
     for ratio in doc["ratios"]:
         per_repeat = ", ".join(f"{v:.3f}" for v in ratio["per_repeat"])

@@ -19,7 +19,8 @@ data-parallel method can reach on this machine). Every case runs with the same -
 script included. Each case is timed after a warm-up, all cases
 are repeated in interleaved order and the medians are compared: polytrain sync / DDP, and weak-scaling
 efficiency = sync N / (N x single 1 thread). Ratios are what to read: absolute numbers drift on a shared
-machine, ratios taken in the same run much less."""
+machine, ratios taken in the same run much less. Any model and in-memory dataset can be measured
+(--model transformer_lm --data text: a language model, whose rows also give tokens/s)."""
 
 #: smaller defaults for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {"data": "synthetic:shape=3x24x24,size=256,test_size=0", "worker_batch_size": 8, "warmup": 1,
@@ -33,8 +34,10 @@ def add_parser(sub: Any) -> None:
     d = BenchConfig()
     parser = sub.add_parser("bench", help="compare the throughput of single, sync and plain PyTorch DDP",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"model (default: {d.model})")
-    parser.add_argument("--data", help=f"in-memory dataset (default: {d.data})")
+    parser.add_argument("--model", help=f"model (default: {d.model}); a language model such as transformer_lm "
+                                        "with --data text")
+    parser.add_argument("--data", help=f"in-memory dataset (default: {d.data}); for language-model data "
+                                       "tokens/s is reported too")
     parser.add_argument("--worker-batch-size", type=int, metavar="N",
                         help=f"examples per worker per step (default: {d.worker_batch_size})")
     parser.add_argument("--workers", type=int, metavar="N", help=f"workers of sync and DDP (default: {d.workers})")
