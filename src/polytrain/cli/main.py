@@ -12,6 +12,7 @@ from polytrain.cli import compare as compare_cmd
 from polytrain.cli import checkpoint as checkpoint_cmd
 from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
+from polytrain.cli import plan as plan_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.errors import PolytrainError
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
     return parser
 

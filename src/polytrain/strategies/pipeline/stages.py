@@ -1,0 +1,83 @@
+"""A rank's pipeline stages at run time: torch's ``PipelineStage`` with its compute timed, and the plain
+forward chain that evaluation uses.
+
+Busy time is the time a stage spends inside its own forward and backward (``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``); the rest of a schedule's step is waiting for
+neighbours (and sending): the measured bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+#: what an activation's header can say its dtype is (evaluation sends a header before each tensor)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+_HEADER = 8  # ndim, up to 6 sizes, dtype code
+
+
+class TimedStage(PipelineStage):
+    """``PipelineStage`` that adds the seconds spent computing to :attr:`busy`."""
+
+    busy: float = 0.0
+
+    def _timed(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self.busy += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+
+def send_activation(tensor: torch.Tensor, peer: int, group: Any) -> None:
+    """Send ``tensor`` to ``peer`` (a rank in ``group``), header first, so the receiver needs no shape."""
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot send an activation of shape {tuple(tensor.shape)} and dtype {tensor.dtype}")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = tensor.dim()
+    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header[-1] = _DTYPES.index(tensor.dtype)
+    dst = dist.get_global_rank(group, peer)
+    dist.send(header.to(tensor.device), dst, group=group)
+    dist.send(tensor.contiguous(), dst, group=group)
+
+
+def recv_activation(peer: int, group: Any, device: torch.device) -> torch.Tensor:
+    src = dist.get_global_rank(group, peer)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    ndim = int(header[0])
+    tensor = torch.empty([int(v) for v in header[1:1 + ndim]], dtype=_DTYPES[int(header[-1])], device=device)
+    dist.recv(tensor, src, group=group)
+    return tensor
+
+
+def chain_forward(modules: dict[int, nn.Module], stages: int, owner: Any, me: int, inputs: torch.Tensor,
+                  group: Any) -> torch.Tensor | None:
+    """The whole batch through every stage in order, each on its rank (no micro-batches, no schedule: what
+    evaluation needs). Returns the last stage's output on its rank, None elsewhere. ``owner(s)`` is the
+    rank of stage ``s``; each rank walks the stages in order, so sends and receives pair up."""
+    x: torch.Tensor | None = inputs
+    for stage in range(stages):
+        if owner(stage) != me:
+            continue
+        if stage > 0 and owner(stage - 1) != me:
+            x = recv_activation(owner(stage - 1), group, inputs.device)
+        x = modules[stage](x)
+        if stage < stages - 1 and owner(stage + 1) != me:
+            send_activation(x, owner(stage + 1), group)
+    return x if owner(stages - 1) == me else None

@@ -1,0 +1,351 @@
+"""``pipeline`` and ``hybrid``: the model's layers split into stages, one process each, micro-batched by a
+``torch.distributed.pipelining`` schedule; ``hybrid`` runs D such pipelines side by side, data parallel.
+
+Layout: ``pipeline`` starts ``--stages P`` processes (``--workers`` is not read: the processes are the
+stages); ``hybrid`` starts ``--dp D`` x ``--pp P`` = ``--workers`` processes on a ``dp x pp`` DeviceMesh.
+Every rank of one pipeline draws the same slice of each global batch (its ``dp`` coordinate's); the first
+stage feeds the inputs in ``--microbatches M`` pieces, the last computes the task's loss on each.
+
+The update equals ``single``'s: each micro-batch's mean loss is divided by ``loss_divisor`` (its share of
+the global batch's units, over the D replicas), gradients are summed over the micro-batches (torch's
+``scale_grads`` is off), averaged over ``dp`` in ``hybrid``, and ``--clip-grad-norm`` clips the norm over
+all stages. Every rank builds the whole model (the same seed) and its optimizer over all of it, so the
+optimizer's parameter indices are single's; a rank only ever has gradients, and so optimizer state, for
+its own stages. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
+state dict and optimizer state, as ``single`` saves them.
+
+The split is chosen at the first step, on rank 0 (which times every unit on one micro-batch, see
+:mod:`.split`), and broadcast, so all ranks cut alike; it is logged with each stage's parameters and ms.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from polytrain.data.batches import Batch
+from polytrain.errors import ConfigError
+from polytrain.log import get_logger
+from polytrain.options import option, register_section
+from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.pipeline import plan, split
+from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
+from polytrain.strategies.step import StepResult, loss_divisor
+
+
+@register_section("pipeline", "strategies pipeline and hybrid", order=74)
+@dataclass
+class PipelineConfig:
+    stages: int = option(2, "pipeline: stages, one process each (--workers is not read: the processes are "
+                            "the stages); hybrid: the default of --pp", minimum=2, metavar="P")
+    microbatches: int = option(4, "pipeline, hybrid: micro-batches per replica's batch (must divide it)",
+                               minimum=1, metavar="M")
+    schedule: str = option("1f1b", "pipeline, hybrid: the torch.distributed.pipelining schedule "
+                                   "(polytrain plan prints it)", choices=tuple(plan.SCHEDULES))
+    split_at: str = option("auto", "pipeline, hybrid: units that start stages 1.. (blocks.2,blocks.4), or "
+                                   "auto (balanced by each unit's measured forward+backward time)",
+                           metavar="UNITS|auto")
+    dp: int | None = option(None, "hybrid: data-parallel replicas (default: --workers / --pp)", minimum=1)
+    pp: int | None = option(None, "hybrid: pipeline stages per replica (default: --stages)", minimum=2)
+
+
+@register_strategy
+class Pipeline(Strategy):
+    name = "pipeline"
+    summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
+    multiprocess = True
+    config_section = "pipeline"
+
+    def __init__(self, topology: Any, options: PipelineConfig | None = None):
+        self.options = options or PipelineConfig()  # arrange() reads it, and the base class arranges first
+        super().__init__(topology, self.options)
+
+    # -- layout and checks before launch ------------------------------------------------------------
+
+    @classmethod
+    def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
+        """(replicas D, stages P)."""
+        return 1, (options or PipelineConfig()).stages
+
+    @classmethod
+    def processes(cls, workers: int, options: Any = None) -> int:
+        dp, pp = cls.shape(workers, options)
+        return dp * pp
+
+    @classmethod
+    def data_slices(cls, workers: int, options: Any = None) -> int:
+        return cls.shape(workers, options)[0]
+
+    @classmethod
+    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
+        opts = options or PipelineConfig()
+        dp, pp = cls.shape(workers, opts)
+        if accumulate != 1:
+            raise ConfigError(f"--strategy {cls.name} accumulates over its --microbatches; pass --microbatches "
+                              f"{opts.microbatches * accumulate} instead of --accumulate {accumulate}")
+        cls.check_batch(dp, global_batch, 1)
+        per = global_batch // dp
+        if per % opts.microbatches:
+            raise ConfigError(f"--microbatches {opts.microbatches} does not divide each pipeline's batch of "
+                              f"{per} examples; pass a divisor of {per} or another --batch-size")
+        plan.check_schedule(opts.schedule, pp, opts.microbatches)
+
+    @classmethod
+    def check_config(cls, config: Any, model: nn.Module | None) -> None:
+        """What needs the model: enough units for the stages, ``--split-at`` naming units. Builds the model
+        on the meta device (no memory) when it is given by name; a factory that needs the data's real
+        shape is checked in the workers instead."""
+        if config.train.loss != "task":
+            raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
+                              "--loss model needs the whole model in one process")
+        opts = getattr(config, cls.config_section)
+        _, pp = cls.shape(1, opts) if cls is Pipeline else (None, opts.pp or opts.stages)
+        if model is None and config.model.model != "auto":
+            model = _meta_model(config)
+        if model is not None:
+            check_split(model, pp * plan.schedule_info(opts.schedule).chunks, opts.split_at)
+
+    def arrange(self, topology: Any) -> Any:
+        if not topology.distributed:
+            raise ConfigError(f"--strategy {self.name} needs one process per stage; it cannot run in one process")
+        pp = self.options.stages if type(self) is Pipeline else _hybrid_pp(self.options)
+        return topology.arranged(dp=topology.world_size // pp, pp=pp)
+
+    # -- model -------------------------------------------------------------------------------------
+
+    def prepare(self, model, make_optimizer, recipe=None, place=None):
+        super().prepare(model, make_optimizer, recipe, place)  # every parameter: single's optimizer layout
+        opts = self.options or PipelineConfig()
+        self.info = plan.schedule_info(opts.schedule)
+        self.ranks = self.topology.axis_size("pp")
+        self.me = self.topology.axis_rank("pp")
+        self.replicas = self.topology.axis_size("dp")
+        self.num_stages = self.ranks * self.info.chunks
+        self.mine = plan.rank_stages(self.me, self.ranks, self.info.chunks, self.info.placement)
+        self.split: split.Split | None = None
+        self.modules: dict[int, nn.Module] = {}
+        self.owned: list[nn.Parameter] = []
+        self._owned_keys: tuple[str, ...] = ()
+        self._busy = self._wall = self._busy_total = self._wall_total = 0.0
+        self._global_units = 1
+        return self.model
+
+    def _owner(self, stage: int) -> int:
+        return plan.stage_rank(stage, self.ranks, self.info.placement)
+
+    def _ensure_stages(self, sample: torch.Tensor) -> None:
+        """Cut the model (first use): rank 0 measures and chooses, every rank builds its stages alike."""
+        if self.split is not None:
+            return
+        opts, topo = self.options or PipelineConfig(), self.topology
+        chosen = None
+        if topo.rank == 0:
+            try:
+                chosen = choose_split(self.model, sample, self.num_stages, opts.split_at)
+            except ConfigError as exc:
+                chosen = exc
+        chosen = topo.broadcast_object(chosen)
+        if isinstance(chosen, ConfigError):
+            raise chosen
+        self.split = chosen
+        if topo.rank == 0:
+            get_logger().info(chosen.describe([self._owner(s) for s in range(self.num_stages)]))
+        parts = dict(split.units(self.model))
+        for stage in self.mine:
+            names = chosen.stage_units(stage)
+            self.modules[stage] = nn.Sequential(*(parts[n] for n in names))
+            self._owned_keys += tuple(f"{n}." for n in names)
+        self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
+        group = topo.axis_group("pp")
+        self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
+                              for s in self.mine]
+        cls = plan.torch_schedule_class(opts.schedule)
+        stages = self.stage_objects[0] if self.info.chunks == 1 else self.stage_objects
+        # scale_grads off: each micro-batch's loss is already weighed by its share of the global batch
+        self.schedule = cls(stages, opts.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        task = self.recipe.task
+        return task.loss(outputs, targets) / loss_divisor(self._global_units, self.replicas, task.units(targets))
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> StepResult:
+        assert self.optimizer is not None
+        opts = self.options or PipelineConfig()
+        self._ensure_stages(batch.inputs[: len(batch) // opts.microbatches])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._global_units = batch.global_units
+        for stage in self.stage_objects:
+            stage.busy = 0.0
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        args = (batch.inputs,) if 0 in self.mine else ()
+        self.schedule.step(*args, target=batch.targets, losses=losses, return_outputs=False)
+        wall = time.perf_counter() - start
+        busy = sum(stage.busy for stage in self.stage_objects)
+        self._busy, self._wall = self._busy + busy, self._wall + wall
+        self._busy_total, self._wall_total = self._busy_total + busy, self._wall_total + wall
+        if self.replicas > 1:
+            self._average_over_replicas()
+        if self.recipe.clip_grad_norm is not None:
+            self._clip(self.recipe.clip_grad_norm)
+        with self.phase("optimizer"):
+            self.optimizer_step(self.optimizer)
+        if 0 in self.mine:  # examples counted once per pipeline
+            self.traffic.examples += len(batch)
+        loss = torch.stack(losses).sum().detach() if self.num_stages - 1 in self.mine else None
+        return StepResult(loss, len(batch))
+
+    def _average_over_replicas(self) -> None:
+        grads = [p.grad for p in self.owned if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.topology.axis_group("dp"))
+        flat /= self.replicas
+        self.traffic.all_reduce(flat.numel() * flat.element_size(), self.replicas)
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
+
+    def _clip(self, max_norm: float) -> None:
+        """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp."""
+        grads = [p.grad for p in self.owned if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g, 2) for g in grads]
+        squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
+        if self.ranks > 1:
+            dist.all_reduce(squared, group=self.topology.axis_group("pp"))
+        coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        opts = self.options or PipelineConfig()
+        self._ensure_stages(inputs[: max(1, len(inputs) // opts.microbatches)])
+        out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
+                            self.topology.axis_group("pp"))
+        if out is None:
+            return None
+        return torch.stack([v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
+
+    # -- metrics -----------------------------------------------------------------------------------
+
+    def take_metrics(self) -> dict[str, float]:
+        busy, wall = self._busy, self._wall
+        self._busy = self._wall = 0.0
+        return {**super().take_metrics(), "pp_busy_s": round(busy, 4), "pp_idle_s": round(wall - busy, 4)}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total))
+        opts = self.options or PipelineConfig()
+        theory = plan.theoretical_bubble(self.ranks, opts.microbatches, self.info.chunks)
+        return {
+            **super().summary_metrics(),
+            "pipeline_schedule": opts.schedule,
+            "pipeline_split": [self.split.stage_units(s) for s in range(self.num_stages)] if self.split else None,
+            "rank_pp_busy_s": [round(b, 4) for b, _ in per_rank],
+            "rank_pp_idle_s": [round(w - b, 4) for b, w in per_rank],
+            "rank_pp_bubble": [round(1 - b / w, 4) if w else None for b, w in per_rank],
+            "pp_bubble_theoretical": round(float(theory), 4),
+        }
+
+    # -- the whole model's state -------------------------------------------------------------------
+
+    def _mine(self, key: str) -> bool:
+        return key.startswith(self._owned_keys)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        whole = self.model.state_dict()
+        if self.split is None:  # not cut yet: every rank holds the same whole model
+            return whole if self.trainers.is_main else None
+        mine = {k: v.detach().cpu() for k, v in whole.items() if self._mine(k)}
+        parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
+        if not self.trainers.is_main:
+            return None
+        for part in parts:
+            whole.update(part)
+        return whole
+
+    def state_dict(self) -> dict[str, Any] | None:
+        model = self.model_state_dict()
+        assert self.optimizer is not None
+        optimizer = self.optimizer.state_dict()  # indices are the whole model's; each rank holds its stages'
+        states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
+        if model is None:
+            return None
+        merged: dict[int, Any] = {}
+        for part in states:
+            merged.update(part)
+        return {"model": model, "optimizer": {**optimizer, "state": dict(sorted(merged.items()))}}
+
+    def describe(self) -> str:
+        opts = self.options or PipelineConfig()
+        layout = f"{self.replicas} x " if self.replicas > 1 else ""
+        return (f"{self.name}: {layout}{self.ranks} stage processes ({self.info.chunks} chunk(s) each), "
+                f"{opts.microbatches} micro-batches, schedule {opts.schedule}; {self.topology.describe()}")
+
+
+@register_strategy
+class Hybrid(Pipeline):
+    name = "hybrid"
+    summary = "data parallel x pipeline: --dp D replicas of a --pp P stage pipeline on a 2-D mesh"
+
+    @classmethod
+    def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
+        opts = options or PipelineConfig()
+        pp = _hybrid_pp(opts)
+        dp = opts.dp if opts.dp is not None else max(1, workers // pp)
+        if dp * pp != workers:
+            raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp} = {dp * pp} processes, but --workers "
+                              f"is {workers}; pass --workers {dp * pp}")
+        return dp, pp
+
+
+def _hybrid_pp(options: PipelineConfig | None) -> int:
+    opts = options or PipelineConfig()
+    return opts.pp if opts.pp is not None else opts.stages
+
+
+def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:
+    names = [name for name, _ in split.units(model)]
+    split.check_splittable(names, stages, f"--stages/--schedule ({stages} stages in all)")
+    starts = split.parse_split(split_at)
+    if starts is not None:
+        split.cuts_from_names(names, starts, stages)
+    own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
+    if own:
+        raise ConfigError(f"the model holds tensors outside its units ({', '.join(own)}); a pipeline splits "
+                          "only models whose forward is their children in order")
+    return names
+
+
+def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str) -> split.Split:
+    """Measure every unit on ``sample`` (RNG and buffers restored after, so training is unchanged) and
+    cut where ``split_at`` says or where the measured cost is balanced."""
+    names = check_split(model, stages, split_at)
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
+    with torch.random.fork_rng(devices=[]):
+        ms, same = split.measure(model, sample)
+    model.load_state_dict(buffers, strict=False)
+    if not same:
+        raise ConfigError("the model's forward is not its units applied in order "
+                          f"({', '.join(names)}); a pipeline can split only such models")
+    starts = split.parse_split(split_at)
+    cuts = split.cuts_from_names(names, starts, stages) if starts else split.balanced_cuts(ms, stages)
+    params = tuple(sum(p.numel() for p in unit.parameters()) for _, unit in split.units(model))
+    return split.Split(tuple(names), tuple(cuts), params, tuple(ms), "--split-at" if starts else "measured")
+
+
+def _meta_model(config: Any) -> nn.Module | None:
+    from polytrain.models.registry import build_model
+
+    try:
+        with torch.device("meta"):
+            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
+    except Exception:  # noqa: BLE001 - the factory needs the real data shape: the workers check it
+        return None
