@@ -3,6 +3,7 @@ pipeline, hybrid)."""
 
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
 from polytrain.strategies import periodic  # noqa: F401  (local-sgd, diloco)
+from polytrain.strategies import pipeline  # noqa: F401  (pipeline, hybrid)
 from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
 
 #: what ``polytrain train`` uses without --strategy
