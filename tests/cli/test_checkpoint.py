@@ -84,9 +84,10 @@ def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_p
     named = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / "x.pt"), "--step", "20", env=cli_env)
     assert named.returncode == 2 and not (tmp_path / "x.pt").exists()
     assert len(named.stderr.strip().splitlines()) == 1
-    assert named.stderr.startswith(f"polytrain: error: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 ")
+    assert named.stderr.startswith(f"polytrain: error: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: ")
     unknown = polytrain("checkpoint", "inspect", str(ckpt), "--step", "7", env=cli_env)
-    assert unknown.returncode == 2 and unknown.stderr == f"polytrain: error: {ckpt}: no checkpoint of step 7 (steps: 10, 20)\n"
+    assert unknown.returncode == 2
+    assert unknown.stderr == f"polytrain: error: {ckpt}: no checkpoint of step 7 (steps: 10, 20)\n"
 
 
 def test_a_directory_without_a_good_checkpoint_is_one_line(run, cli_env, tmp_path):

@@ -53,7 +53,8 @@ def test_a_run_writes_a_manifest_per_checkpoint(runs):
         assert manifest["size"] == pt.stat().st_size
         assert manifest["sha256"] == hashlib.sha256(pt.read_bytes()).hexdigest()
         assert manifest["strategy"] == "single" and manifest["world_size"] == 1
-        assert manifest["format"] == "polytrain.manifest/1" and manifest["checkpoint_format"] == "polytrain.checkpoint/1"
+        assert manifest["format"] == "polytrain.manifest/1"
+        assert manifest["checkpoint_format"] == "polytrain.checkpoint/1"
         assert manifest["model"]["tensors"] == signature(state)  # the trained model's names, shapes, dtypes
     assert (runs / "ckpt" / "latest").read_text().strip() == "step-00000020.pt"
 
@@ -114,8 +115,9 @@ def test_no_good_checkpoint_left_is_one_error_naming_each(runs, tmp_path, capsys
 
 
 def test_resuming_another_model_from_its_checkpoints_says_so(runs, tmp_path, capsys):
-    with pytest.raises(ConfigError, match=r"can be used: step-00000020.pt holds another model \(1.weight is 32x64 "
-                                          r"float32 there, 16x64 float32 .*; resume with the model they were made with"):
+    expected = (r"can be used: step-00000020.pt holds another model \(1.weight is 32x64 float32 there, 16x64 "
+                r"float32 .*; resume with the model they were made with")
+    with pytest.raises(ConfigError, match=expected):
         _resume(_copy(runs, tmp_path), tmp_path, capsys, model="mlp:hidden=16")
 
 
