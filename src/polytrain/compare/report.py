@@ -33,8 +33,9 @@ def rows(cfg: CompareConfig, outcomes: list[Outcome]) -> list[dict[str, Any]]:
             "eval_accuracy": s.get("eval_accuracy"),
             "eval_loss": s.get("eval_loss"),
             "bytes_sent_per_example": s.get("bytes_sent_per_example"),
-            "max_staleness": s.get("max_staleness"),
-            "mean_staleness": s.get("mean_staleness"),
+            # either naming: the parameter servers' summary says staleness_max
+            "max_staleness": s.get("max_staleness", s.get("staleness_max")),
+            "mean_staleness": s.get("mean_staleness", s.get("staleness_mean")),
             "wall_s": s.get("wall_s"),
             "rank_examples_per_sec": s.get("rank_examples_per_sec"),
             "rank_straggler_s": s.get("rank_straggler_s"),
