@@ -1,0 +1,99 @@
+"""``pipeline`` and ``hybrid`` on real gloo processes end where ``single`` ends on the same global batches,
+for every schedule; checkpoints move between them and ``single``/``sync``; bad settings are one line
+before any process starts."""
+
+import json
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.errors import ConfigError
+
+MODEL = "transformer_lm:layers=4,dim=32,heads=2"  # units: embed, blocks.0-3, head
+RUN = dict(model=MODEL, data="text:seq_len=16", batch_size=8, steps=10, optimizer="sgd", lr=0.1, momentum=0.9,
+           progress="off", eval_every=5, log_every=5, seed=0, timeout=60)
+
+
+def _fit(tmp_path, name, **settings):
+    path = tmp_path / f"{name}.pt"
+    run = {**RUN, **settings}
+    summary = polytrain.fit(save_model=str(path), metrics_file=str(tmp_path / f"{name}.jsonl"), **run)
+    losses = [r["loss"] for r in map(json.loads, open(tmp_path / f"{name}.jsonl")) if r.get("event") == "step"]
+    return summary, torch.load(path, weights_only=True), losses
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("single"), "single", strategy="single")
+
+
+def _same_as_single(single, run):
+    reference_summary, reference, reference_losses = single
+    summary, weights, losses = run
+    assert weights.keys() == reference.keys()  # the whole model, named as unsplit
+    for key, value in reference.items():
+        assert torch.linalg.vector_norm((weights[key] - value).double()) <= 1e-5 * torch.linalg.vector_norm(
+            value.double()) + 1e-7, key
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    assert summary["eval_loss"] == pytest.approx(reference_summary["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches", [
+    ("gpipe", 2, 2), ("1f1b", 2, 4), ("interleaved-1f1b", 2, 2), ("zero-bubble", 2, 4), ("zbv", 2, 2),
+    ("1f1b", 4, 4),  # P=4 once: four processes on two shared cores take ~30 s
+])
+def test_pipeline_equals_single(tmp_path, single, schedule, stages, microbatches):
+    run = _fit(tmp_path, "pipeline", strategy="pipeline", stages=stages, microbatches=microbatches,
+               schedule=schedule)
+    _same_as_single(single, run)
+    summary = run[0]
+    assert summary["workers"] == stages and summary["pipeline_schedule"] == schedule
+    assert len(summary["rank_pp_busy_s"]) == stages and all(b > 0 for b in summary["rank_pp_busy_s"])
+    assert all(0 <= b < 1 for b in summary["rank_pp_bubble"])
+    chunks = 1 if schedule in ("gpipe", "1f1b") else 2
+    assert summary["pp_bubble_theoretical"] == pytest.approx((stages - 1) / (chunks * microbatches + stages - 1),
+                                                             abs=1e-4)
+    assert [unit for stage in summary["pipeline_split"] for unit in stage] == \
+        ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+
+
+def test_split_by_name_and_hybrid_dp2_x_pp2_equal_single(tmp_path, single):
+    run = _fit(tmp_path, "hybrid", strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2, split_at="blocks.1")
+    _same_as_single(single, run)
+    assert run[0]["pipeline_split"] == [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "head"]]
+    assert run[0]["bytes_sent"] > 0  # the stages' gradients averaged over dp
+
+
+@pytest.mark.parametrize("first, then", [
+    (dict(strategy="pipeline", stages=2, microbatches=2, schedule="1f1b"), dict(strategy="single")),
+    (dict(strategy="sync", workers=2), dict(strategy="pipeline", stages=2, microbatches=4, schedule="zbv")),
+])
+def test_checkpoints_move_between_pipeline_and_single_or_sync(tmp_path, single, first, then):
+    """Half the run under one strategy, resumed under the other: the same end as single all along (the
+    momentum buffers travel in single's layout)."""
+    checkpoints = str(tmp_path / "checkpoints")
+    polytrain.fit(**{**RUN, "steps": 5}, checkpoint_dir=checkpoints, **first)
+    run = _fit(tmp_path, "resumed", checkpoint_dir=checkpoints, resume=True, **then)
+    reference = single[1]
+    for key, value in reference.items():
+        assert torch.linalg.vector_norm((run[1][key] - value).double()) <= 1e-5 * torch.linalg.vector_norm(
+            value.double()) + 1e-7, key
+    assert run[2] == pytest.approx(single[2][1:], rel=1e-5)  # the step-10 record (step 5's was the first run's)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(stages=2, microbatches=3), "--microbatches 3 does not divide each pipeline's batch of 8 examples"),
+    (dict(stages=8, microbatches=8, schedule="gpipe"), "8 stages but the model has only 6 splittable units"),
+    (dict(stages=2, schedule="interleaved-1f1b", microbatches=4, model="transformer_lm:layers=1,dim=32,heads=2"),
+     "4 stages but the model has only 3 splittable units"),
+    (dict(stages=2, split_at="blocks.7"), "--split-at blocks.7: no such unit; the model's units are embed, "),
+    (dict(strategy="hybrid", workers=3, pp=2), "--dp 1 x --pp 2 = 2 processes, but --workers is 3"),
+    (dict(stages=2, accumulate=2), "accumulates over its --microbatches; pass --microbatches 8"),
+    (dict(stages=2, loss="model"), "--loss model needs the whole model in one process"),
+])
+def test_bad_settings_are_one_line_before_any_process(settings, message):
+    run = {**RUN, "strategy": "pipeline", **settings}
+    with pytest.raises(ConfigError, match=message) as caught:  # a ConfigError here: raised in this process
+        polytrain.fit(**run)
+    assert "\n" not in str(caught.value)
