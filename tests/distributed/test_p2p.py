@@ -18,7 +18,7 @@ def exchange(ctx):
     if ctx.rank == 0:
         got = {}
         for _ in range(2):
-            kind, sender, a, b = channel.recv_header_any(TAG, "rank 1 or 2")
+            kind, sender, a, b, _ = channel.recv_header_any(TAG, "rank 1 or 2")
             payload = channel.recv(torch.empty(a, dtype=torch.float64), sender, DATA)
             got[sender] = (kind, b, payload.tolist())
             channel.send(payload * 2, sender, DATA)

@@ -21,7 +21,7 @@ import signal
 import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,8 @@ def resolve_backend(backend: str, device: str, *, soft: bool = False) -> str:
 def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None, device: str = "cpu",
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
-           soft_placement: bool = False, host_memory: str = "cache") -> list[Any]:
+           soft_placement: bool = False, host_memory: str = "cache",
+           rank_names: Sequence[str] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -170,6 +171,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     for its local rank; with ``soft_placement`` an unavailable device falls back (to another GPU or the
     CPU) with a warning instead of failing. ``host_memory`` is how each worker's malloc treats freed tensor
     memory (``cache``: kept for reuse; ``release``: glibc's default), see :mod:`polytrain.devices.host_memory`.
+    ``rank_names`` says what each rank is when its failure is reported (default "worker rank N").
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
@@ -190,7 +192,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     job = _Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory)
-    return _spawn(job, master_port)
+    return _spawn(job, master_port, rank_names)
 
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
@@ -201,7 +203,7 @@ def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, 
     return fn(WorkerContext(Topology(device=resolve_device(device, soft=soft_placement))), *args)
 
 
-def _spawn(job: "_Job", master_port: int | None) -> list[Any]:
+def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | None = None) -> list[Any]:
     _check_devices(job.world_size, job.device, job.backend)
     server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
     job = replace(job, store_port=server.port)
@@ -216,7 +218,7 @@ def _spawn(job: "_Job", master_port: int | None) -> list[Any]:
                 send.close()
                 processes.append(proc)
                 conns.append(recv)
-        return supervise(processes, conns)
+        return supervise(processes, conns, rank_names)
     except KeyboardInterrupt:
         stop_all(processes)
         raise

@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Sequence
 
 from polytrain import errors
 from polytrain.log import get_logger
@@ -62,8 +62,9 @@ def _exit_failure(rank: int, exitcode: int) -> Failure:
     return Failure(rank, "exit", f"exited with code {exitcode} without reporting an error (its output above says why)", at=time.monotonic())
 
 
-def supervise(processes: list[Any], conns: list[Connection]) -> list[Any]:
-    """Wait for all workers; return their results in rank order, or stop them all and raise."""
+def supervise(processes: list[Any], conns: list[Connection], names: Sequence[str] | None = None) -> list[Any]:
+    """Wait for all workers; return their results in rank order, or stop them all and raise. ``names`` says
+    what each rank is in the error (default "worker rank N"; e.g. "parameter server rank 2")."""
     results: dict[int, Any] = {}
     failures: list[Failure] = []
     pending = {conn: rank for rank, conn in enumerate(conns)}
@@ -92,7 +93,7 @@ def supervise(processes: list[Any], conns: list[Connection]) -> list[Any]:
               if rank not in results and not any(f.rank == rank for f in failures)]
     failures += [Failure(rank, "exit", "exited without reporting a result", at=time.monotonic()) for rank in silent]
     if failures:
-        raise _root_cause(failures, len(processes))
+        raise _root_cause(failures, len(processes), names)
     return [results.get(rank) for rank in range(len(processes))]
 
 
@@ -127,7 +128,7 @@ def stop_all(processes: list[Any]) -> None:
             proc.join()
 
 
-def _root_cause(failures: list[Failure], world_size: int) -> errors.PolytrainError:
+def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] | None = None) -> errors.PolytrainError:
     cause = min(failures, key=lambda f: (f.priority(), f.at))
     if cause.details:
         get_logger().error("rank %d failed:\n%s", cause.rank, cause.details.rstrip())
@@ -141,4 +142,5 @@ def _root_cause(failures: list[Failure], world_size: int) -> errors.PolytrainErr
     others = sorted({f.rank for f in failures} - {cause.rank})
     tail = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
     verb = "" if cause.kind in ("signal", "exit") else "failed: "
-    return errors.WorkerError(f"worker rank {cause.rank} {verb}{cause.message}{tail}; all workers were stopped")
+    name = names[cause.rank] if names else f"worker rank {cause.rank}"
+    return errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped")

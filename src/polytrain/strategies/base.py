@@ -66,6 +66,11 @@ class Strategy:
         return workers if cls.multiprocess else 1
 
     @classmethod
+    def rank_names(cls, workers: int, options: Any = None) -> list[str] | None:
+        """What each launched process is called when the launcher reports its failure (None: "worker rank N")."""
+        return None
+
+    @classmethod
     def data_slices(cls, workers: int, options: Any = None) -> int:
         """How many slices each global batch is cut into (the size of the ``dp`` axis)."""
         return cls.processes(workers, options)

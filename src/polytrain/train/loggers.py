@@ -159,7 +159,8 @@ class RunLog:
                 if _number(value):
                     self._tb.add_scalar(f"summary/{key}", value, step)
                 elif key.endswith("_histogram") and isinstance(value, dict) and value:
-                    values = torch.tensor([float(k) for k in value]).repeat_interleave(torch.tensor(list(value.values())))
+                    counts = torch.tensor(list(value.values()))
+                    values = torch.tensor([float(k) for k in value]).repeat_interleave(counts)
                     self._tb.add_histogram(f"summary/{key[:-len('_histogram')]}", values, step)
         if self._bar is not None:
             self._bar.close()

@@ -76,12 +76,15 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
     """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
     (None in the other processes of a torchrun job)."""
     processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
+    strategy = get_strategy(config.train.strategy)
+    names = None if under_torchrun() else strategy.rank_names(
+        resolve_workers(config.launch.workers, config.device.device), strategy_options(config, strategy))
     results = launch(
         train_worker, config, model, data,
         workers=processes, device=config.device.device, backend=config.launch.backend,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
-        soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
+        soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory, rank_names=names,
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None

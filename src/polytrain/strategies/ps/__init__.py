@@ -1,6 +1,5 @@
-"""Asynchronous data parallel through parameter servers (issue 14): plan, staleness policy, server, client.
-
-Not registered as a strategy yet: :mod:`polytrain.strategies` does not import this package.
+"""Asynchronous data parallel through parameter servers (issue 14): plan, staleness policy, server, client,
+and the ``async`` strategy built on them (:mod:`.strategy`, registered by :mod:`polytrain.strategies`).
 """
 
 from polytrain.strategies.ps.book import ServerBook, UpdateRecord

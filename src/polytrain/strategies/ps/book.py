@@ -43,6 +43,8 @@ class ServerBook:
         self.duplicates: list[tuple[int, int]] = []
         self.pending: dict[int, int] = {}  # worker -> clock of its deferred pull
         self._read_updates = {w: 0 for w in workers}
+        #: per worker, the staleness of its last applied gradient (told to it with its next pull's answer)
+        self.last_staleness: dict[int, int] = {}
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -64,11 +66,20 @@ class ServerBook:
         active = self.active or list(self.finished)
         return global_clock([self.finished[w] for w in active])
 
+    def caught_up(self, clock: int) -> bool:
+        """Whether every worker still training has finished every step before ``clock`` (a read "at clock
+        ``c``" sees exactly the updates of steps 0..c-1, whatever the staleness bound)."""
+        return all(self.finished[w] >= clock - 1 for w in self.active)
+
     # -- events -----------------------------------------------------------------------------------------
+
+    def start_at(self, clock: int) -> None:
+        """Every worker's first step is ``clock`` (a resumed run): steps before it count as finished."""
+        self.finished = {w: clock - 1 for w in self.finished}
 
     def pull(self, worker: int, clock: int) -> bool:
         """A worker asks for the parameters of ``clock``: True = answer now, False = deferred."""
-        self._known(worker)
+        self.known(worker)
         if worker in self.pending:
             raise CommunicationError(f"{self.name(worker)} asked for step {clock} while its pull for step "
                                      f"{self.pending[worker]} was still waiting")
@@ -84,7 +95,7 @@ class ServerBook:
 
     def admit(self, worker: int, clock: int) -> bool:
         """Whether a pushed gradient is to be applied (False: a duplicate, recorded and ignored)."""
-        self._known(worker)
+        self.known(worker)
         last = self.finished[worker]
         if clock <= last:
             self.duplicates.append((worker, clock))
@@ -101,10 +112,11 @@ class ServerBook:
         self.updates += 1
         self.finished[worker] = clock
         self.records.append(record)
+        self.last_staleness[worker] = record.staleness
         return record
 
     def finish(self, worker: int) -> None:
-        self._known(worker)
+        self.known(worker)
         self.done.add(worker)
         self.pending.pop(worker, None)
 
@@ -116,7 +128,7 @@ class ServerBook:
             del self.pending[w]
         return out
 
-    def _known(self, worker: int) -> None:
+    def known(self, worker: int) -> None:
         if worker not in self.finished:
             raise CommunicationError(f"a message claims to come from rank {worker}, which is not a worker")
         if worker in self.done:

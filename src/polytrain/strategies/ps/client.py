@@ -6,16 +6,18 @@ while gloo carries the bytes. Each call talks to every server at once: headers t
 
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from polytrain.distributed.p2p import HEADER_LEN, Channel, header
+from polytrain.distributed.p2p import HEADER_LEN, Channel, float_bits, header
 from polytrain.errors import CommunicationError
-from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, REPLY, TAG_REPLY, TAG_REPLY_DATA,
-                                            TAG_REQUEST, TAG_REQUEST_DATA, Layout)
+from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, REPLY, STATE, STATS, TAG_REPLY,
+                                            TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, Layout)
 from polytrain.strategies.ps.partition import PartitionPlan
+from polytrain.strategies.ps.state import StateLayout
 
 
 class ParameterClient:
@@ -28,26 +30,66 @@ class ParameterClient:
         self.buffers = [torch.empty(plan.numel(s), dtype=dtype) for s in range(plan.servers)]
         self.versions = [0] * plan.servers  # per server: the global clock of the values last pulled
         self.updates = [0] * plan.servers  # per server: updates applied when they were pulled
+        #: the staleness of this worker's last applied gradient, the most of any server (-1: not known yet)
+        self.last_staleness = -1
+        self.bytes_sent = self.bytes_received = 0  # every tensor this client sent or received, headers included
 
     # -- calls ------------------------------------------------------------------------------------------
 
-    def send_initial(self) -> None:
-        """First worker only, before anyone's first pull: the model's values become the servers' values."""
-        self._send(INIT, self._values(self.params))
+    def send_initial(self, start_clock: int = 0, state: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
+        """First worker only, before anyone's first pull: the model's values become the servers' values, and
+        ``state`` (each server's optimizer state, as :meth:`StateLayout.from_single` cuts it) their optimizer
+        state; every worker's first step is ``start_clock``."""
+        me, sends = self.channel.rank, []
+        values = self._values(self.params)
+        for s, rank in enumerate(self.layout.server_ranks):
+            sends.append((header(INIT, me, start_clock, int(state is not None)), rank, TAG_REQUEST))
+            parts = [values[s]] + list(state[s] if state is not None else [])
+            sends += [(t, rank, TAG_REQUEST_DATA) for t in parts if t.numel()]
+        self._exchange(sends=sends)
 
     def pull(self, clock: int) -> list[int]:
         """Wait until every server lets this worker start ``clock``; load the values into the model.
         Returns each server's version (global clock) of the values."""
         return self._ask(PULL, clock)
 
-    def push(self, clock: int) -> None:
-        """Send this worker's gradients of step ``clock`` (missing gradients count as zero)."""
+    def push(self, clock: int, lr: float | None = None) -> None:
+        """Send this worker's gradients of step ``clock`` (missing gradients count as zero), to be applied at
+        learning rate ``lr`` (None: the servers' optimizer's own)."""
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        self._send(PUSH, self._values(grads), clock)
+        self._send(PUSH, self._values(grads), clock, float_bits(math.nan if lr is None else lr))
 
-    def read(self) -> list[int]:
-        """The servers' current values into the model, whatever the clocks (for saving or evaluating)."""
-        return self._ask(READ, 0)
+    def read(self, clock: int = 0) -> list[int]:
+        """The servers' values into the model once every worker has finished the steps before ``clock``
+        (0: at once, whatever the clocks), for saving or evaluating."""
+        return self._ask(READ, clock)
+
+    def optimizer_state(self, clock: int, layout: StateLayout) -> list[list[torch.Tensor] | None]:
+        """Each server's optimizer state (None: none yet) once every worker finished the steps before ``clock``."""
+        heads = self._post_request(STATE, clock)
+        out: list[list[torch.Tensor] | None] = []
+        for s, rank in enumerate(self.layout.server_ranks):
+            if not self._check_reply(heads[s], rank)[3]:
+                out.append(None)
+                continue
+            dtypes = [self.buffers[s].dtype] * len(layout.tensors) + [torch.float64] * len(layout.scalars)
+            flat = [torch.empty(n, dtype=d) for n, d in zip(layout.sizes(self.plan, s), dtypes)]
+            self._exchange(recvs=[(t, rank, TAG_REPLY_DATA) for t in flat if t.numel()])
+            out.append(flat)
+        return out
+
+    def records(self, clock: int) -> tuple[list[torch.Tensor], int]:
+        """Every server's update records (rows ``[worker, clock, read version, applied version, missed]``)
+        and the number of duplicate pushes they ignored, once every worker finished the steps before ``clock``."""
+        heads = self._post_request(STATS, clock)
+        rows, duplicates = [], 0
+        for s, rank in enumerate(self.layout.server_ranks):
+            count, dup = self._check_reply(heads[s], rank)[1:3]
+            rows.append(torch.empty(count, 5, dtype=torch.int64))
+            if count:
+                self._exchange(recvs=[(rows[-1], rank, TAG_REPLY_DATA)])
+            duplicates += dup
+        return rows, duplicates
 
     def done(self) -> None:
         """This worker will send nothing more; a server ends once every worker said so."""
@@ -59,15 +101,15 @@ class ParameterClient:
         cpu = {name: t.detach().to("cpu") for name, t in tensors.items()}
         return [self.plan.flatten(cpu, s, out=self.buffers[s]) for s in range(self.plan.servers)]
 
-    def _send(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0) -> None:
+    def _send(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0, extra: int = 0) -> None:
         """A header (and values) to every server, all posted at once."""
         me = self.channel.rank
         sends = []
         for s, rank in enumerate(self.layout.server_ranks):
-            sends.append((header(kind, me, clock, self.versions[s]), rank, TAG_REQUEST))
+            sends.append((header(kind, me, clock, self.versions[s], extra), rank, TAG_REQUEST))
             if values is not None and values[s].numel():
                 sends.append((values[s], rank, TAG_REQUEST_DATA))
-        self.channel.exchange(sends=sends)
+        self._exchange(sends=sends)
 
     def _ask(self, kind: int, clock: int) -> list[int]:
         """Post every server's answer's receives first, then ask: no server ever waits for us to listen."""
@@ -78,12 +120,34 @@ class ParameterClient:
             if self.buffers[s].numel():
                 recvs.append((self.buffers[s], rank, TAG_REPLY_DATA))
         sends = [(header(kind, self.channel.rank, clock, 0), rank, TAG_REQUEST) for rank in self.layout.server_ranks]
-        self.channel.exchange(sends=sends, recvs=recvs)
+        self._exchange(sends=sends, recvs=recvs)
+        stale = []
         for s, rank in enumerate(self.layout.server_ranks):
-            answer, _, version, updates = heads[s].tolist()
-            if answer != REPLY:
-                raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} answered with message "
-                                         f"kind {answer} instead of a reply")
+            _, version, updates, stale_s = self._check_reply(heads[s], rank)
             self.versions[s], self.updates[s] = version, updates
+            stale.append(stale_s)
             self.plan.unflatten(self.buffers[s], s, self.params)
+        if kind == PULL:
+            self.last_staleness = max(stale)
         return list(self.versions)
+
+    def _exchange(self, sends: Sequence = (), recvs: Sequence = ()) -> None:
+        self.bytes_sent += sum(t.numel() * t.element_size() for t, _, _ in sends)
+        self.bytes_received += sum(t.numel() * t.element_size() for t, _, _ in recvs)
+        self.channel.exchange(sends=sends, recvs=recvs)
+
+    def _post_request(self, kind: int, clock: int) -> list[torch.Tensor]:
+        """Ask every server; the reply headers (what follows them differs by server: read separately)."""
+        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in self.layout.server_ranks]
+        self._exchange(sends=[(header(kind, self.channel.rank, clock), rank, TAG_REQUEST)
+                                     for rank in self.layout.server_ranks],
+                              recvs=[(heads[s], rank, TAG_REPLY) for s, rank in enumerate(self.layout.server_ranks)])
+        return heads
+
+    def _check_reply(self, head: torch.Tensor, rank: int) -> list[int]:
+        """The header's values after the kind and sender: [sender, a, b, c]; raises if it is no reply."""
+        answer, *rest = head.tolist()
+        if answer != REPLY:
+            raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} answered with message "
+                                     f"kind {answer} instead of a reply")
+        return rest

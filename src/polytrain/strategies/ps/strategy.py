@@ -1,0 +1,284 @@
+"""``async``: asynchronous data parallel through parameter servers, with an optional staleness bound.
+
+``--workers N --servers S`` starts N + S processes: ranks 0..N-1 train, ranks N.. are parameter servers
+(:mod:`polytrain.strategies.ps`). The servers hold the parameters, cut across them by size, and the
+optimizer state; every worker loops: pull the parameters for its step ``c``, compute the gradient of its
+slice, push it. A server applies each pushed gradient alone, once per (worker, step), scaled by 1/N, at the
+learning rate the schedule gives for step ``c``. With ``--staleness K`` no worker starts step c+K+1 before
+every worker finished step c (K = 0: bulk synchronous, equal to ``sync`` for plain SGD).
+
+What ``--batch-size`` means: there is no global step, so it counts the examples of *one step of every
+worker*, as for ``sync``: each worker's push is the gradient of its ``batch / N`` examples, so N pushes (one
+global clock) take ``batch`` examples and, for plain SGD, move the parameters as much as one ``sync`` step.
+
+Evaluation, checkpoints and the saved model read the servers at the step the trainers are at, once every
+worker's earlier gradients are applied: what is saved at step ``s`` does not depend on arrival order. The
+optimizer state travels between the servers' pieces and ``single``'s ``torch.optim`` layout
+(:mod:`.state`), so a checkpoint of any strategy resumes here and the other way round.
+
+Not supported yet: ``--tolerate-worker-loss`` (a dead worker stops the job, naming its rank; a gloo timeout
+closes the group's connections, so the others cannot go on without it), parameters of several dtypes, and
+buffers (BatchNorm statistics) are each worker's own: the saved model has trainer rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polytrain.data.batches import Batch, Shard
+from polytrain.distributed.p2p import Channel
+from polytrain.distributed.topology import Topology
+from polytrain.errors import ConfigError
+from polytrain.options import option, register_section
+from polytrain.strategies.base import OptimizerFactory, Strategy, register_strategy
+from polytrain.strategies.ps.client import ParameterClient
+from polytrain.strategies.ps.layout import Layout
+from polytrain.strategies.ps.partition import PartitionPlan
+from polytrain.strategies.ps.server import ParameterServer
+from polytrain.strategies.ps.staleness import StalenessPolicy
+from polytrain.strategies.ps.state import StateLayout
+from polytrain.strategies.ps.stats import StalenessWindow, staleness_summary
+from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
+
+
+@register_section("async", "strategy async (parameter servers)", order=71)
+@dataclass
+class AsyncConfig:
+    servers: int = option(1, "async: parameter server processes, started besides the --workers (ranks after "
+                             "theirs). --batch-size counts one step of every worker: each worker pushes the "
+                             "gradient of batch/N examples, applied alone and scaled by 1/N", minimum=1,
+                          metavar="S")
+    staleness: int | None = option(None, "async: no worker starts step c+K+1 before every worker finished step c "
+                                         "(0: bulk synchronous; leave out for fully asynchronous)", minimum=0,
+                                   metavar="K")
+    tolerate_worker_loss: bool = option(False, "async: go on without a worker that died (not supported yet: "
+                                               "refused; a dead worker stops the job, naming its rank)")
+
+
+@register_strategy
+class AsyncParameterServer(Strategy):
+    name = "async"
+    summary = "asynchronous data parallel: parameter servers apply each worker's gradient as it arrives"
+    multiprocess = True
+    config_section = "async"
+
+    def __init__(self, topology: Topology, options: AsyncConfig | None = None):
+        self.options = options or AsyncConfig()  # arrange() needs the server count before the base sets it
+        super().__init__(topology, self.options)
+        self.policy = StalenessPolicy(self.options.staleness)
+        self.clock = 0  # this worker's next step; every trainer is at the same one at log/eval/checkpoint points
+        self._connected = False
+        self._initial_state: dict[str, Any] | None = None  # a resumed optimizer state, sent with the values
+        self._read_at = -1  # the clock the model's values were last read from the servers at
+        self._lr: float | None = None
+        self._waited = 0.0
+        self._window = StalenessWindow()
+        self._global_batch = 0
+
+    # -- layout ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def processes(cls, workers: int, options: Any = None) -> int:
+        return workers + (options or AsyncConfig()).servers
+
+    @classmethod
+    def data_slices(cls, workers: int, options: Any = None) -> int:
+        return workers
+
+    @classmethod
+    def rank_names(cls, workers: int, options: Any = None) -> list[str]:
+        layout = Layout(workers, (options or AsyncConfig()).servers)
+        return [layout.name(rank) for rank in range(layout.world_size)]
+
+    @classmethod
+    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
+        opts = options or AsyncConfig()
+        if opts.tolerate_worker_loss:
+            raise ConfigError("--tolerate-worker-loss: not supported yet by --strategy async (a lost worker "
+                              "stops the job, naming its rank); leave it out")
+        Layout(workers, opts.servers)
+        cls.check_batch(workers, global_batch, accumulate)
+
+    def arrange(self, topology: Topology) -> Topology:
+        servers = self.options.servers
+        if not topology.distributed:
+            raise ConfigError("--strategy async needs its parameter server processes: run it through "
+                              "polytrain train or polytrain.fit, which start --workers + --servers processes")
+        self.layout = Layout(topology.world_size - servers, servers)
+        # every rank takes part in creating each group (new_group is collective over the world)
+        group = dist.new_group(self.layout.worker_ranks, timeout=topology.timeout)
+        wire = topology.group if topology.backend == "gloo" else \
+            dist.new_group(list(range(topology.world_size)), timeout=topology.timeout, backend="gloo")
+        rank = topology.rank
+        self.channel = Channel(wire, topology.timeout, self.layout.name, me=self.layout.name(rank))
+        if self.layout.role(rank) == "trainer":
+            self._trainers = replace(topology, world_size=self.layout.workers, group=group)
+        else:  # a server builds the same session (data slice 0) but never reduces metrics with the trainers
+            self._trainers = replace(topology, rank=0, world_size=self.layout.workers, group=None)
+        return topology
+
+    @property
+    def role(self) -> str:
+        return self.layout.role(self.topology.rank)
+
+    @property
+    def trainers(self) -> Topology:
+        return self._trainers
+
+    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
+                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
+        self._global_batch = global_batch  # for describe(): what one push holds
+        return super().step_shards(global_batch, accumulate, data_workers, deterministic)
+
+    def describe(self) -> str:
+        n, s = self.layout.workers, self.layout.servers
+        text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
+                f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
+        if self._global_batch:
+            text += (f"\n  --batch-size {self._global_batch} counts one step of every worker: each worker pushes "
+                     f"the gradient of its {self._global_batch // n} examples, applied alone at lr/{n}")
+        return text
+
+    # -- model, servers and clients -------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: StepRecipe | None = None,
+                place: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        self.recipe = recipe or StepRecipe()
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        if len(dtypes) > 1:
+            raise ConfigError(f"--strategy async: the model's parameters have several dtypes ({', '.join(dtypes)}); "
+                              "parameter servers keep one dtype: convert the model to one")
+        dtype = next(model.parameters()).dtype
+        self.plan = PartitionPlan.for_model(model.named_parameters(), self.layout.servers)
+        self.state_layout = StateLayout.probe(make_optimizer, dtype)
+        if self.role == "server":
+            self.model = model  # the server's values live in its flat buffer; this copy only names them
+            self.server = self.build_server(make_optimizer, dtype)
+            self.optimizer = self.server.optimizer
+            return model
+        self.model = model.to(self.topology.device)
+        if place is not None:
+            place(self.model)
+        # never stepped: it gives a checkpoint single's param_groups and its lr follows the schedule
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.client = ParameterClient(self.channel, self.layout, self.plan, self.model)
+        return self.model
+
+    def build_server(self, make_optimizer: OptimizerFactory, dtype: torch.dtype) -> ParameterServer:
+        """This server rank's :class:`ParameterServer` (a test subclass makes one that fails on purpose)."""
+        return ParameterServer(self.channel, self.layout, self.plan, self.policy, make_optimizer,
+                               scale=1.0 / self.layout.workers, dtype=dtype)
+
+    def serve(self) -> dict[str, Any]:
+        return {"role": "server", **self.server.serve()}
+
+    def _connect(self) -> None:
+        """Trainer rank 0, before anyone's first step: the servers get the (resumed) values and optimizer
+        state. Done lazily, after any ``load_state_dict``; the other workers' first pulls wait for it."""
+        if self._connected:
+            return
+        self._connected = True
+        if self.trainers.is_main:
+            state = None
+            if self._initial_state is not None:
+                state = self.state_layout.from_single(self.plan, self._initial_state.get("state", {}),
+                                                      dict(self.model.named_parameters()))
+            self.client.send_initial(self.clock, state)
+            self._initial_state = None
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        self._lr = lr  # travels with this step's push: the servers apply the schedule of the step it is for
+        super().set_lr(lr)
+
+    def train_step(self, batch: Batch) -> StepResult:
+        assert self.model is not None, "call prepare() first"
+        self._connect()
+        started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
+        self.client.pull(self.clock)
+        self._waited += time.perf_counter() - started
+        self._window.add(self.client.last_staleness)
+        self.model.zero_grad(set_to_none=True)
+        recipe = self.recipe
+        # the replicas' gradients are summed by the servers at 1/N each, as sync averages them
+        extra = {"loss": recipe.loss} if hasattr(recipe, "loss") else {}  # --loss, where the step supports it
+        loss = forward_backward(self.model, batch, recipe.task, self.layout.workers, recipe.accumulate,
+                                lambda model, enabled: contextlib.nullcontext(), self.backward, **extra)
+        if recipe.clip_grad_norm is not None:  # no global gradient here: each push is clipped alone
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
+        started = time.perf_counter()
+        self.client.push(self.clock, self._lr)
+        self._waited += time.perf_counter() - started
+        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
+        self.traffic.examples += len(batch)
+        self.clock += 1
+        return StepResult(loss, len(batch))
+
+    def _refresh(self) -> None:
+        """The servers' values at this trainer's step into the model (for evaluation and saving)."""
+        self._connect()
+        if self._read_at != self.clock:
+            self.client.read(self.clock)
+            self._read_at = self.clock
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        self._refresh()
+        return super().eval_step(inputs, targets)
+
+    def finish(self) -> None:
+        self._connect()
+        self.client.done()
+
+    # -- metrics ----------------------------------------------------------------------------------------
+
+    def take_wait_seconds(self) -> float:
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def take_metrics(self) -> dict[str, float]:
+        return {**super().take_metrics(), **self._window.take()}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        out = super().summary_metrics()
+        if self.trainers.is_main:
+            self._connect()
+            rows, duplicates = self.client.records(self.clock)
+            out.update(staleness_summary(rows, duplicates, self.policy.bound))
+        return out
+
+    # -- the whole model's state ----------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if not self.trainers.is_main:
+            return None
+        self._refresh()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        model = self.model_state_dict()
+        if model is None:
+            return None
+        per_server = self.client.optimizer_state(self.clock, self.state_layout)
+        optimizer = self.optimizer.state_dict()  # single's param_groups (never stepped: no state of its own)
+        optimizer["state"] = self.state_layout.to_single(self.plan, per_server, dict(self.model.named_parameters()))
+        return {"model": model, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.role == "server":
+            return  # the servers get the values and optimizer state from trainer rank 0 (_connect)
+        self.model.load_state_dict(state["model"])
+        self.clock = int(state.get("step", 0))
+        self._initial_state = state["optimizer"] if self.trainers.is_main else None
+
+
+def _ranks(first: int, stop: int) -> str:
+    return f"rank {first}" if stop - first == 1 else f"ranks {first}-{stop - 1}"

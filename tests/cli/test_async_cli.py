@@ -1,0 +1,36 @@
+"""`polytrain train --strategy async` from the command line: bad settings, --help, the opening lines."""
+
+import pytest
+
+from tests.cli.test_train import polytrain
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--servers", "0"], "--servers: must be >= 1, got 0"),
+    (["--staleness", "-1"], "--staleness: must be >= 0, got -1"),
+    (["--tolerate-worker-loss"], "--tolerate-worker-loss: not supported yet by --strategy async"),
+    (["--batch-size", "33", "--workers", "2"], "--batch-size 33 does not divide over 2 workers"),
+])
+def test_bad_async_settings_are_one_line_before_anything_starts(cli_env, args, message):
+    proc = polytrain("--strategy", "async", "--steps", "1", *args, env=cli_env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
+
+
+def test_help_says_what_the_batch_size_is_for_async(cli_env):
+    proc = polytrain("--help", env=cli_env)
+    text = " ".join(proc.stdout.split())
+    assert "--batch-size counts one step of every worker: each worker pushes the gradient of batch/N examples" in text
+    assert "--staleness K" in text and "--servers S" in text
+
+
+def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
+    proc = polytrain("--strategy", "async", "--workers", "2", "--servers", "2", "--staleness", "1", "--model",
+                     "mlp:hidden=16", "--steps", "12", "--batch-size", "32", "--progress", "lines", "--timeout",
+                     "60", env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert ("async: 2 worker(s) (ranks 0-1) + 2 parameter server(s) (ranks 2-3), staleness bound 1" in out)
+    assert "--batch-size 32 counts one step of every worker: each worker pushes the gradient of its 16 examples, " \
+           "applied alone at lr/2" in out
+    assert "done: 12 steps" in out and "with async on 2 worker(s)" in out
