@@ -42,7 +42,8 @@ def test_a_missing_strategy_is_skipped_from_the_defaults_but_an_error_when_named
 def test_every_case_is_checked_before_any_trains(tmp_path, capsys):
     code = main(["compare", "--strategies", "sync,local-sgd:sync_every=0", "--out", str(tmp_path), "--no-plot"])
     assert code != 0
-    assert capsys.readouterr().err == "polytrain: error: case local-sgd:sync_every=0: --sync-every: must be >= 1, got 0\n"
+    expected = "polytrain: error: case local-sgd:sync_every=0: --sync-every: must be >= 1, got 0\n"
+    assert capsys.readouterr().err == expected
     assert not (tmp_path / "runs").exists(), "nothing trained"
 
 

@@ -56,7 +56,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def document(cfg: CompareConfig, table: list[dict[str, Any]], outcomes: list[Outcome], notes: list[str]) -> dict[str, Any]:
+def document(cfg: CompareConfig, table: list[dict[str, Any]], outcomes: list[Outcome],
+             notes: list[str]) -> dict[str, Any]:
     from polytrain.bench.report import environment
 
     return {

@@ -89,7 +89,8 @@ class LocalSGD(Strategy):
                                           ("--outer-momentum", getattr(options, "outer_momentum", None)))
                  if value is not None]
         if given and cls.name != Diloco.name:
-            raise ConfigError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} the outer step of --strategy diloco; "
+            verb = "set" if len(given) > 1 else "sets"
+            raise ConfigError(f"{' and '.join(given)} {verb} the outer step of --strategy diloco; "
                               f"--strategy {cls.name} averages the parameters (drop them, or use diloco)")
 
     def describe(self) -> str:
