@@ -88,7 +88,8 @@ def test_limits_and_a_schedule_this_torch_lacks_are_one_line_each(monkeypatch):
     with pytest.raises(ConfigError, match="unknown schedule"):
         plan.check_schedule("pipedream", 2, 2)
     # a schedule named in the table whose class the installed torch does not have
-    monkeypatch.setitem(plan.SCHEDULES, "future", plan.ScheduleInfo("future", "ScheduleFromTheFuture", 1, "loop", ""))
+    future = plan.ScheduleInfo("future", "ScheduleFromTheFuture", 1, "loop", "")
+    monkeypatch.setitem(plan.SCHEDULES, "future", future)
     with pytest.raises(ConfigError, match=rf"installed torch {re.escape(torch.__version__)} has no .*ScheduleFromTheFuture"):
         plan.check_schedule("future", 2, 2)
 
