@@ -90,7 +90,8 @@ def test_limits_and_a_schedule_this_torch_lacks_are_one_line_each(monkeypatch):
     # a schedule named in the table whose class the installed torch does not have
     future = plan.ScheduleInfo("future", "ScheduleFromTheFuture", 1, "loop", "")
     monkeypatch.setitem(plan.SCHEDULES, "future", future)
-    with pytest.raises(ConfigError, match=rf"installed torch {re.escape(torch.__version__)} has no .*ScheduleFromTheFuture"):
+    lacks = rf"installed torch {re.escape(torch.__version__)} has no .*ScheduleFromTheFuture"
+    with pytest.raises(ConfigError, match=lacks):
         plan.check_schedule("future", 2, 2)
 
 
