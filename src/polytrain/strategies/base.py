@@ -81,6 +81,11 @@ class Strategy:
         ``--workers``, resolved to a number; ``global_batch`` the examples of one global batch."""
         cls.check_batch(cls.data_slices(workers, options), global_batch, accumulate)
 
+    @classmethod
+    def check_config(cls, config: Any, model: nn.Module | None) -> None:
+        """Checks that need the whole run config or the model (a pipeline: enough layers for its stages),
+        before any process starts; ``model`` is the user's module, or None when it is named in the config."""
+
     @staticmethod
     def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
         """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""

@@ -38,10 +38,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_device_config(config.device, processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(workers, config.global_batch(slices), config.train.accumulate, options)
-    # a strategy that splits the model (pipeline) checks the model against its settings before any process
-    check_config = getattr(strategy, "check_config", None)
-    if check_config is not None:
-        check_config(config, model)
+    strategy.check_config(config, model)
     check_stragglers(config.straggler.straggler, workers)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
