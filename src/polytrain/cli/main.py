@@ -15,6 +15,7 @@ from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.errors import PolytrainError
+from polytrain.strategies import available_strategies
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,8 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="polytrain",
         description="Train one PyTorch model on many devices and machines. The parallel strategy is a "
-                    "setting: single, sync (data parallel over worker processes); async, pipeline and "
-                    "hybrid are coming.",
+                    f"setting: {', '.join(available_strategies())}.",
         epilog="Run 'polytrain COMMAND --help' for a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"polytrain {__version__}")
