@@ -42,3 +42,22 @@ def test_store_listens_only_on_its_address_and_serves_clients():
         assert server.store.get("k") == b"v"
     finally:
         server.close()
+
+
+def test_closing_the_store_closes_its_socket_once(tmp_path):
+    """The store owns the listening socket: close() ends it, and a file that reuses its number stays open."""
+    import gc
+    import os
+    import socket
+
+    server = StoreServer(timedelta(seconds=10))
+    fd, port = server.fd, server.port
+    server.close()
+    assert not os.path.exists(f"/proc/self/fd/{fd}")
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+    with open(tmp_path / "reused", "w") as fh:
+        del server
+        gc.collect()  # nothing left to close the number a second time
+        os.fstat(fh.fileno())
+        fh.write("still open")

@@ -91,11 +91,17 @@ class StoreServer:
         self._sock = bind_listener(address, port)
         self.address = address
         self.port = self._sock.getsockname()[1]
-        self.store = dist.TCPStore(address, self.port, None, is_master=True, timeout=timeout,
-                                   wait_for_workers=False, master_listen_fd=self._sock.fileno())
+        self.fd = self._sock.fileno()
+        self.store: dist.TCPStore | None = dist.TCPStore(address, self.port, None, is_master=True,
+                                                         timeout=timeout, wait_for_workers=False,
+                                                         master_listen_fd=self._sock.fileno())
+        # the store owns the listening socket from here on and closes it when it is destroyed; closing it
+        # here as well closed the descriptor twice, and the second close hit whatever file had been given
+        # that number meanwhile (seen as "Bad file descriptor" in a later torch.load or socket close)
+        self._sock.detach()
 
     def close(self) -> None:
-        self._sock.close()
+        self.store = None  # its destructor stops the server and closes the socket, once
 
 
 def connect_store(address: str, port: int, timeout: timedelta) -> dist.Store:
