@@ -15,7 +15,7 @@ from polytrain.devices.host_memory import describe_host_memory
 from polytrain.distributed.launch import launch
 from polytrain.distributed.rendezvous import StoreServer
 from polytrain.errors import ConfigError, DataError, WorkerError
-from tests.helpers.procs import alive, cmdline, descendants, leftover_children, listening_addresses, spawn_order
+from tests.helpers.procs import alive, cmdline, descendants, leftover_children, listening_addresses, worker_rank
 from tests.helpers.spawn import spawn
 
 
@@ -134,9 +134,9 @@ def test_sigkill_of_a_worker_ends_the_job_naming_the_rank(cli_env):
     try:
         _wait_for_steps(proc)
         job = descendants(proc.pid)
-        workers = [p for p in job if p != proc.pid and "spawn_main" in cmdline(p)]
-        assert len(workers) == 2
-        victim = spawn_order(workers)[1]  # rank 1
+        ranks = {worker_rank(p): p for p in job if worker_rank(p) is not None}
+        assert sorted(ranks) == [0, 1]
+        victim = ranks[1]
         os.kill(victim, signal.SIGKILL)
         # the job's collectives would time out after --timeout 300 s; the supervisor ends it at once
         _, err = proc.communicate(timeout=150)

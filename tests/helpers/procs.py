@@ -88,19 +88,18 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def worker_rank(pid: int) -> int | None:
+    """The rank of a polytrain worker process (its name is ``polytrain-rN``), None for any other process."""
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            name = fh.read().strip()
+    except OSError:
+        return None
+    return int(name[len("polytrain-r"):]) if name.startswith("polytrain-r") else None
+
+
 def leftover_children(pid: int) -> list[int]:
-    """Live descendants of ``pid``, except multiprocessing's resource tracker (one per parent process,
-    it exits with the parent, not with a job)."""
-    return [p for p in alive(descendants(pid)) if p != pid and "resource_tracker" not in cmdline(p)]
-
-
-def spawn_order(pids: list[int]) -> list[int]:
-    """``pids`` of processes forked one shortly after another, in the order they were forked.
-
-    Linux hands out pids cyclically, wrapping at pid_max (32768 on some machines: a busy test run wraps
-    it), so a later process can have the smaller pid. Between forks moments apart, far fewer than half
-    the pid space is used, so "b after a" is "(b - a) mod pid_max < pid_max / 2"."""
-    with open("/proc/sys/kernel/pid_max") as fh:
-        pid_max = int(fh.read())
-    first = next(p for p in pids if all((q - p) % pid_max < pid_max // 2 for q in pids))
-    return sorted(pids, key=lambda p: (p - first) % pid_max)
+    """Live descendants of ``pid``, except multiprocessing's resource tracker and forkserver (one each per
+    parent process, they exit with the parent, not with a job)."""
+    return [p for p in alive(descendants(pid))
+            if p != pid and not any(keep in cmdline(p) for keep in ("resource_tracker", "forkserver"))]

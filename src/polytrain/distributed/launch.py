@@ -103,6 +103,26 @@ class _Job:
     log_all_ranks: bool
     soft_placement: bool = False
     host_memory: str = "cache"
+    #: the launcher's environment at launch, with the workers' own settings: a forkserver child would
+    #: otherwise see the environment the forkserver was started with, not the one of this launch
+    environ: tuple[tuple[str, str], ...] = ()
+
+
+#: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
+#: (a worker is up in a fraction of a second instead of importing torch anew); ``spawn`` is the fallback
+#: for environments where forking is not wanted: set ``POLYTRAIN_START_METHOD=spawn``
+START_METHODS = ("forkserver", "spawn")
+_PRELOAD = ["torch", "torch.distributed", "polytrain.distributed.launch", "polytrain.train.trainer"]
+
+
+def _start_context() -> Any:
+    method = os.environ.get("POLYTRAIN_START_METHOD", "forkserver")
+    if method not in START_METHODS:
+        raise ConfigError(f"POLYTRAIN_START_METHOD={method}: must be one of {', '.join(START_METHODS)}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # only read when the forkserver starts (once per launcher process)
+    return ctx
 
 
 def available_cores() -> int:
@@ -206,11 +226,11 @@ def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, 
 def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | None = None) -> list[Any]:
     _check_devices(job.world_size, job.device, job.backend)
     server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
-    job = replace(job, store_port=server.port)
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     processes, conns = [], []
     try:
         with _worker_environment(job.threads), _script_not_rerun(job):
+            job = replace(job, store_port=server.port, environ=tuple(os.environ.items()))
             for rank in range(job.world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
@@ -280,15 +300,21 @@ def _worker_environment(threads: int) -> Iterator[None]:
                 os.environ[key] = old
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL if the launcher dies, so no worker outlives it."""
+def _die_with_parent(rank: int) -> None:
+    """Linux: get SIGKILL if the launcher dies, so no worker outlives it (a forkserver's child: when the
+    forkserver dies, which it does when the launcher does), and show as ``polytrain-rN`` in ps/top."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            libc.prctl(15, ctypes.c_char_p(f"polytrain-r{rank}".encode()[:15]))  # PR_SET_NAME
 
 
 def _worker_main(job: _Job, rank: int, conn: Any) -> None:
-    _die_with_parent()
+    _die_with_parent(rank)
+    if job.environ:
+        os.environ.clear()
+        os.environ.update(dict(job.environ))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
     set_host_memory(job.host_memory)
     torch.set_num_threads(job.threads)
