@@ -5,10 +5,15 @@ permutation per epoch, cut into ``global_batch`` pieces (the ragged tail is drop
 same number of examples). A :class:`Shard` then takes worker ``index``'s contiguous slice. The union of all
 slices is exactly the global batch, each example once per epoch, so N workers on slices compute the same
 averaged gradient as one device on the whole batch. Both are plain data: printable and testable alone.
+
+A run resumed with another global batch continues the epoch it stopped in from the example it reached
+(:class:`Resumed`): the same permutation, cut into the new batch size, up to where the saved run would have
+ended that epoch; the epochs after it are the new batch size's own.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -31,6 +36,8 @@ class Batch:
     global_units: int
     #: the examples in the whole global batch (None: not told, the slices are equal)
     global_examples: int | None = None
+    #: the dataset indices of this rank's examples (what ``--log-example-ids`` records)
+    indices: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.step, self.inputs, self.targets))
@@ -40,11 +47,24 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """Where a plan takes over a saved run's epoch: global step ``step`` is epoch ``epoch``'s example
+    ``offset`` (of its permutation), and that epoch stops at example ``end`` (the saved run's end of it)."""
+
+    step: int
+    epoch: int
+    offset: int
+    end: int
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     num_examples: int
     global_batch: int
     seed: int = 0
     shuffle: bool = True
+    #: None: step 0 starts epoch 0; else the epoch in progress at a resume with another global batch
+    resumed: Resumed | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -53,23 +73,68 @@ class BatchPlan:
             raise ValueError(
                 f"the global batch ({self.global_batch}) is larger than the dataset ({self.num_examples} examples)"
             )
+        r = self.resumed
+        if r is not None and not (0 <= r.offset <= r.end <= self.num_examples and r.step >= 0 and r.epoch >= 0):
+            raise ValueError(f"resumed position {r} does not fit {self.num_examples} examples")
 
     @property
     def steps_per_epoch(self) -> int:
+        """Steps of a whole epoch (the resumed one, if any, may have fewer)."""
         return self.num_examples // self.global_batch
 
+    @property
+    def resumed_steps(self) -> int:
+        """Steps left in the resumed epoch: whole batches between its offset and its end."""
+        r = self.resumed
+        return 0 if r is None else (r.end - r.offset) // self.global_batch
+
     def position(self, step: int) -> tuple[int, int]:
-        """(epoch, batch within epoch) of a global step."""
-        return divmod(step, self.steps_per_epoch)
+        """(epoch, batch within epoch) of a global step; in a resumed epoch, the batch counts from the resume."""
+        if self.resumed is None:
+            return divmod(step, self.steps_per_epoch)
+        r, later = self.resumed, self._after_resumed(step)
+        if later < 0:
+            return r.epoch, step - r.step
+        epoch, batch = divmod(later, self.steps_per_epoch)
+        return r.epoch + 1 + epoch, batch
+
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(epoch, place of the step's first example in that epoch's order, where the plan stops that epoch)."""
+        epoch, batch = self.position(step)
+        r = self.resumed
+        if r is not None and epoch == r.epoch:
+            return epoch, r.offset + batch * self.global_batch, r.end
+        return epoch, batch * self.global_batch, self.steps_per_epoch * self.global_batch
+
+    def epoch_start(self, epoch: int) -> int:
+        """The global step that begins ``epoch`` (for ``--epochs E``: the run ends at ``epoch_start(E)``)."""
+        r = self.resumed
+        if r is None:
+            return epoch * self.steps_per_epoch
+        if epoch <= r.epoch:
+            return r.step
+        return r.step + self.resumed_steps + (epoch - r.epoch - 1) * self.steps_per_epoch
+
+    def epochs_done(self, step: int) -> float:
+        """Epochs completed before global step ``step``, fractional (for progress records)."""
+        epoch, start, end = self.locate(step)
+        return epoch + start / end if end else float(epoch)
 
     def order(self, epoch: int) -> torch.Tensor:
         return _epoch_order(self.num_examples, self.seed, epoch, self.shuffle).clone()
 
     def global_indices(self, step: int) -> torch.Tensor:
-        epoch, batch = self.position(step)
-        start = batch * self.global_batch
+        epoch, start, _ = self.locate(step)
         order = _epoch_order(self.num_examples, self.seed, epoch, self.shuffle)
         return order[start : start + self.global_batch].clone()
+
+    def _after_resumed(self, step: int) -> int:
+        """Steps after the resumed epoch's last (negative: inside it); steps before the resume have no batch."""
+        r = self.resumed
+        assert r is not None
+        if step < r.step:
+            raise ValueError(f"step {step} comes before this plan's first step ({r.step}, a resume)")
+        return step - r.step - self.resumed_steps
 
 
 @functools.lru_cache(maxsize=2)
@@ -115,14 +180,18 @@ class Shard:
 
 
 class _StepSampler(Sampler[list[int]]):
-    """Yields this shard's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path)."""
+    """Yields this shard's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path), and
+    queues each in ``drawn``: the loader runs the sampler ahead of the batches it returns, in order."""
 
     def __init__(self, plan: BatchPlan, shard_at: Callable[[int], Shard], start: int, stop: int):
         self.plan, self.shard_at, self.start, self.stop = plan, shard_at, start, stop
+        self.drawn: collections.deque[list[int]] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.stop):
-            yield self.shard_at(step).take(self.plan.global_indices(step)).tolist()
+            indices = self.shard_at(step).take(self.plan.global_indices(step)).tolist()
+            self.drawn.append(indices)
+            yield indices
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -156,20 +225,22 @@ class ShardedBatches:
         step = self.start_step
         while True:
             everyone = self.plan.global_indices(step)
-            x, y = self.dataset.get_batch(self.shard_at(step).take(everyone), self.plan.position(step)[0])
-            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone))
+            mine = self.shard_at(step).take(everyone)
+            x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
+            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone), mine)
             step += 1
 
     def _loader(self) -> Iterator[Batch]:
         step = self.start_step
-        per_epoch = self.plan.steps_per_epoch
         while True:
-            epoch_end = (step // per_epoch + 1) * per_epoch
-            loader = DataLoader(self.dataset, batch_sampler=_StepSampler(self.plan, self.shard_at, step, epoch_end),
-                                num_workers=self.num_workers, pin_memory=self.device.type == "cuda")
+            epoch_end = self.plan.epoch_start(self.plan.position(step)[0] + 1)
+            sampler = _StepSampler(self.plan, self.shard_at, step, epoch_end)
+            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
+                                pin_memory=self.device.type == "cuda")
             for x, y in loader:
                 everyone = self.plan.global_indices(step)
-                yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone))
+                yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone),
+                            torch.tensor(sampler.drawn.popleft()))
                 step += 1
 
     def _units(self, everyone: torch.Tensor) -> int:

@@ -31,6 +31,8 @@ class BucketedBatchPlan(BatchPlan):
             raise ValueError(f"a bucketed plan needs the lengths of all {self.num_examples} examples")
         if self.window < 1:
             raise ValueError(f"the bucket window must be >= 1 global batches, got {self.window}")
+        if self.resumed is not None:  # its windows are cut in whole batches from each epoch's start
+            raise ValueError("a bucketed plan continues only at the global batch it started with")
 
     def global_indices(self, step: int) -> torch.Tensor:
         epoch, batch = self.position(step)
