@@ -22,3 +22,6 @@ class DataConfig:
                                            minimum=1, metavar="N")
     data_workers: int = option(0, "DataLoader processes per worker for datasets that are not in memory",
                                minimum=0, metavar="N")
+    log_example_ids: str | None = option(None, "append the dataset indices each step trained on to FILE, one JSON "
+                                         "line per step (to audit that each example is used once per epoch)",
+                                         metavar="FILE")

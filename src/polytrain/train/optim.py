@@ -26,6 +26,8 @@ class OptimConfig:
     lr_scaling: str = option("none", "rescale --lr for the global batch: linear (Goyal et al.) or sqrt",
                              choices=("none", "linear", "sqrt"))
     base_batch_size: int | None = option(None, "the batch size --lr was tuned for (with --lr-scaling)", minimum=1)
+    rescale_warmup_steps: int = option(10, "--resume with another global batch: steps over which the LR moves "
+                                       "from the checkpoint's to this batch's (0: at once)", minimum=0, metavar="N")
     clip_grad_norm: float | None = option(None, "clip the norm of the global (averaged) gradient to C before each "
                                                 "update", minimum=1e-12, metavar="C")
 
