@@ -32,7 +32,9 @@ from polytrain.strategies import Strategy, get_strategy
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.integrity import signature
+from polytrain.train import reshard
 from polytrain.train.optim import build_optimizer
+from polytrain.train.reshard import DataPosition
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
 from polytrain.train.tasks import Task, check_takes_labels, get_task
 
@@ -64,7 +66,7 @@ class Session:
     plan: BatchPlan
     model: nn.Module  # this rank's prepared model (wrapped, or a pipeline stage)
     task: Task
-    schedule: Schedule
+    schedule: Schedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
     total_steps: int
     checkpointer: Checkpointer | None
     #: the trainer's slices: ``shard`` itself, or a function of the step when the strategy re-splits batches
@@ -92,7 +94,6 @@ class Session:
         """Checkpoint contents, on the trainers' rank 0 (None elsewhere). Collective over the trainer ranks:
         the strategy gathers the whole model and optimizer, the session every trainer's RNG states."""
         trainers = self.strategy.trainers
-        epoch, batch = self.plan.position(step)
         model_and_optimizer = self.strategy.state_dict()
         rng = trainers.all_gather_object(capture_rng())
         if not trainers.is_main:
@@ -101,7 +102,8 @@ class Session:
         return {
             **model_and_optimizer,
             "schedule": str(self.schedule),
-            "data_position": {"epoch": epoch, "batch": batch, "global_batch": self.plan.global_batch},
+            "lr": float(self.schedule(step)),  # the next step's: where a resume at another batch starts from
+            "data_position": DataPosition.at(self.plan, step).as_dict(),
             "rng": rng,
             "world_size": trainers.world_size,
             "strategy": self.config.train.strategy,
@@ -142,7 +144,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
         plan = BatchPlan(len(data.train), global_batch, config.train.seed)
     except ValueError as exc:
         raise ConfigError(f"--batch-size: {exc}; use a smaller batch or fewer workers") from None
-    total_steps = config.train.steps or config.train.epochs * plan.steps_per_epoch
+    total_steps = reshard.total_steps(plan, config.train.steps, config.train.epochs)
     if model is None:
         if config.model.model == "auto":
             config.model.model = data.default_model
@@ -229,16 +231,44 @@ def _resume(s: Session) -> None:
     saved = state["config"]
     current = s.config.flat()
     clash = [k for k in RESUME_MUST_MATCH if saved.get(k) != current.get(k)]
-    if state["data_position"]["global_batch"] != s.plan.global_batch:
-        clash.append("global batch size")
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
     s.strategy.load_state_dict(state)
     s.start_step = int(state["step"])
+    _continue_data(s, state)
     if len(state["rng"]) == trainers.world_size:
         restore_rng(state["rng"][trainers.rank])
     else:
         s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
     s.log.info(f"resumed from step {s.start_step} ({path})")
+
+
+def _continue_data(s: Session, state: dict[str, Any]) -> None:
+    """Continue the checkpoint's data position (at its global batch or another, see :mod:`.reshard`), with
+    the steps left and the LR that follow."""
+    position = DataPosition.saved(state, s.plan.num_examples)
+    s.plan = reshard.continue_plan(s.plan, position, s.start_step)
+    if s.plan.resumed is None:
+        return
+    cfg = s.config
+    s.total_steps = reshard.total_steps(s.plan, cfg.train.steps, cfg.train.epochs)
+    schedule = parse_schedule(cfg.optim.lr_schedule, s.schedule.base_lr, s.total_steps)
+    s.schedule = schedule
+    r, old_batch = s.plan.resumed, position.global_batch
+    s.log.info(f"--resume: global batch {old_batch} -> {s.plan.global_batch}: epoch {r.epoch} continues from "
+               f"example {r.offset} of its {r.end} in {s.plan.resumed_steps} step(s) of the new batch")
+    skipped = reshard.skipped_examples(s.plan)
+    if skipped:
+        s.log.warning(f"--resume: the {r.end - r.offset} examples left in epoch {r.epoch} are not a multiple of the "
+                      f"global batch {s.plan.global_batch}: its last {skipped} are skipped (a global batch that "
+                      "divides them takes every one)")
+    old_lr, warmup = reshard.saved_lr(state), cfg.optim.rescale_warmup_steps
+    new_lr = schedule(s.start_step)
+    if old_batch != s.plan.global_batch and old_lr is not None and old_lr != new_lr:
+        how = "at once" if not warmup else f"linearly over {warmup} step(s) (--rescale-warmup-steps)"
+        s.log.info(f"--resume: learning rate {old_lr:g} -> {new_lr:g} for global batch {s.plan.global_batch} "
+                   f"(--lr-scaling {cfg.optim.lr_scaling}), {how}")
+        if warmup:
+            s.schedule = reshard.Rescaled(schedule, s.start_step, old_lr, warmup)
