@@ -29,6 +29,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError
 from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save
+from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
 from polytrain.train.straggler import StragglerInjector
@@ -68,6 +69,7 @@ class Trainer:
         batches = iter(strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step,
                                                 cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
+        ids = example_ids(cfg.data.log_example_ids, self.topology, s.shard.index, s.plan)
         self.guard = DivergenceGuard(self.topology.device)
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
@@ -82,6 +84,7 @@ class Trainer:
                 result = strategy.train_step(batch)
                 with s.devices.phase("loss"):
                     self.guard.observe(result.loss, step + 1)
+            ids.observe(batch)
             done = step + 1
             elapsed = time.perf_counter() - tick
             waited = strategy.take_wait_seconds()
@@ -93,6 +96,7 @@ class Trainer:
             if done % cfg.log.log_every == 0 or done == s.total_steps:
                 record = self._step_record(done, lr, meter)
                 run_log.step(record)
+                ids.flush()
                 last_interval_loss = record["loss"]
                 meter = IntervalMeter()
             if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
@@ -139,7 +143,7 @@ class Trainer:
         loss = sum(losses) / len(losses) if losses else None
         return {
             "step": step,
-            "epoch": round(step / s.plan.steps_per_epoch, 4),
+            "epoch": round(s.plan.epochs_done(step), 4),
             # a slice's loss is already weighed by its share of the global batch
             "loss": loss,
             **(s.task.metrics(loss, None) if loss is not None else {}),
