@@ -145,6 +145,8 @@ class RunLog:
         if self._tb is None:
             return
         for name, param in model.named_parameters():
+            if param.numel() == 0:  # a pipeline rank holds only its own stages' tensors
+                continue
             self._tb.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
             if param.grad is not None:
                 self._tb.add_histogram(f"grads/{name}", param.grad.detach().float().cpu(), step)
