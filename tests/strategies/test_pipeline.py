@@ -9,6 +9,8 @@ import torch
 
 import polytrain
 from polytrain.errors import ConfigError
+from polytrain.strategies.pipeline import plan
+from polytrain.train.checkpoint import Checkpointer, load_checkpoint
 
 MODEL = "transformer_lm:layers=4,dim=32,heads=2"  # units: embed, blocks.0-3, head
 RUN = dict(model=MODEL, data="text:seq_len=16", batch_size=8, steps=10, optimizer="sgd", lr=0.1, momentum=0.9,
@@ -25,11 +27,27 @@ def _fit(tmp_path, name, **settings):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _fit(tmp_path_factory.mktemp("single"), "single", strategy="single")
+    where = tmp_path_factory.mktemp("single")
+    checkpoints = str(where / "checkpoints")  # the last one holds single's optimizer state at the end
+    return (*_fit(where, "single", strategy="single", checkpoint_dir=checkpoints), checkpoints)
+
+
+def _cross_rank_hops(ranks, chunks, placement):
+    """Per rank, how many stage boundaries it sends an activation over (and so receives its gradient)
+    plus how many it receives one over (and sends a gradient back): the boundaries it shares with
+    another rank."""
+    stages = ranks * chunks
+    hops = [0] * ranks
+    for s in range(stages - 1):
+        a, b = plan.stage_rank(s, ranks, placement), plan.stage_rank(s + 1, ranks, placement)
+        if a != b:
+            hops[a] += 1
+            hops[b] += 1
+    return hops
 
 
 def _same_as_single(single, run):
-    reference_summary, reference, reference_losses = single
+    reference_summary, reference, reference_losses, _ = single
     summary, weights, losses = run
     assert weights.keys() == reference.keys()  # the whole model, named as unsplit
     for key, value in reference.items():
@@ -56,6 +74,15 @@ def test_pipeline_equals_single(tmp_path, single, schedule, stages, microbatches
                                                              abs=1e-4)
     assert [unit for stage in summary["pipeline_split"] for unit in stage] == \
         ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    # each cross-rank boundary moves every example's (16 x 32) float32 activation one way and its
+    # gradient back, every step (the first step's shape exchange and evaluation are not counted)
+    info = plan.schedule_info(schedule)
+    expected = [h * RUN["steps"] * RUN["batch_size"] * 16 * 32 * 4
+                for h in _cross_rank_hops(stages, info.chunks, info.placement)]
+    assert summary["rank_bytes_sent"] == expected and summary["rank_bytes_received"] == expected
+    # only its own stages stay resident on a rank: together they are the model, once
+    total = sum(v.numel() for v in single[1].values() if v.is_floating_point())
+    assert sum(summary["rank_pp_parameters"]) == total and max(summary["rank_pp_parameters"]) < total
 
 
 def test_split_by_name_and_hybrid_dp2_x_pp2_equal_single(tmp_path, single):
@@ -80,6 +107,15 @@ def test_checkpoints_move_between_pipeline_and_single_or_sync(tmp_path, single, 
         assert torch.linalg.vector_norm((run[1][key] - value).double()) <= 1e-5 * torch.linalg.vector_norm(
             value.double()) + 1e-7, key
     assert run[2] == pytest.approx(single[2][1:], rel=1e-5)  # the step-10 record (step 5's was the first run's)
+    # the last checkpoint's momentum is single's: a stage's state comes from its owner, not from a rank
+    # that merely loaded the resumed checkpoint
+    ours, theirs = (load_checkpoint(Checkpointer(d).latest())["optimizer"]["state"]
+                    for d in (checkpoints, single[3]))
+    assert ours.keys() == theirs.keys()
+    for index, state in theirs.items():
+        buffer = state["momentum_buffer"].double()
+        assert torch.linalg.vector_norm(ours[index]["momentum_buffer"].double() - buffer) <= \
+            1e-5 * torch.linalg.vector_norm(buffer) + 1e-7, index
 
 
 @pytest.mark.parametrize("settings, message", [

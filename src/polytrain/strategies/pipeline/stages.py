@@ -4,6 +4,11 @@ forward chain that evaluation uses.
 Busy time is the time a stage spends inside its own forward and backward (``forward_one_chunk``,
 ``backward_one_chunk``, ``backward_weight_one_chunk``); the rest of a schedule's step is waiting for
 neighbours (and sending): the measured bubble.
+
+Bytes are counted where torch builds the point-to-point operations a schedule runs (``get_fwd_send_ops``
+and the three others): activations sent forward and their gradients sent back, each tensor's bytes once.
+Neighbouring stages on the same rank (``zbv``'s fold) hand tensors over locally and build none, so they
+count nothing; neither do the one-time shape exchange of the first step and evaluation's forward chain.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ _HEADER = 8  # ndim, up to 6 sizes, dtype code
 
 
 class TimedStage(PipelineStage):
-    """``PipelineStage`` that adds the seconds spent computing to :attr:`busy`."""
+    """``PipelineStage`` that adds the seconds spent computing to :attr:`busy` and the bytes of the
+    activations and gradients it exchanges with other ranks to :attr:`sent` and :attr:`received`."""
 
     busy: float = 0.0
+    sent: int = 0
+    received: int = 0
 
     def _timed(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -41,6 +49,26 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    def _counted(self, ops: list[dist.P2POp], outgoing: bool) -> list[dist.P2POp]:
+        moved = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        if outgoing:
+            self.sent += moved
+        else:
+            self.received += moved
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_fwd_send_ops(fwd_chunk_id), outgoing=True)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_bwd_send_ops(bwd_chunk_id), outgoing=True)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_fwd_recv_ops(fwd_chunk_id), outgoing=False)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_bwd_recv_ops(bwd_chunk_id), outgoing=False)
 
 
 def send_activation(tensor: torch.Tensor, peer: int, group: Any) -> None:

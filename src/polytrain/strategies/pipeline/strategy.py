@@ -9,9 +9,9 @@ stage feeds the inputs in ``--microbatches M`` pieces, the last computes the tas
 The update equals ``single``'s: each micro-batch's mean loss is divided by ``loss_divisor`` (its share of
 the global batch's units, over the D replicas), gradients are summed over the micro-batches (torch's
 ``scale_grads`` is off), averaged over ``dp`` in ``hybrid``, and ``--clip-grad-norm`` clips the norm over
-all stages. Every rank builds the whole model (the same seed) and its optimizer over all of it, so the
-optimizer's parameter indices are single's; a rank only ever has gradients, and so optimizer state, for
-its own stages. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
+all stages. Every rank builds the whole model (the same seed, so the same initial weights as single) and its optimizer
+over all of it, so the optimizer's parameter indices are single's; once the split is chosen, a rank empties
+the other stages' tensors and keeps only its own resident, with their gradients and optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
 state dict and optimizer state, as ``single`` saves them.
 
 The split is chosen at the first step, on rank 0 (which times every unit on one micro-batch, see
@@ -162,6 +162,7 @@ class Pipeline(Strategy):
             self.modules[stage] = nn.Sequential(*(parts[n] for n in names))
             self._owned_keys += tuple(f"{n}." for n in names)
         self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
+        self._release_others(parts)
         group = topo.axis_group("pp")
         self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
                               for s in self.mine]
@@ -169,6 +170,20 @@ class Pipeline(Strategy):
         stages = self.stage_objects[0] if self.info.chunks == 1 else self.stage_objects
         # scale_grads off: each micro-batch's loss is already weighed by its share of the global batch
         self.schedule = cls(stages, opts.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _release_others(self, parts: dict[str, nn.Module]) -> None:
+        """Keep only this rank's stages resident: the other units' tensors are emptied in place (their
+        Parameter objects stay, so the optimizer's indices remain single's) and their optimizer state is
+        dropped. That state could only be a resumed checkpoint's, never updated here; kept, it would also
+        overwrite the owner's when the stages' states are gathered into one."""
+        mine = {id(unit) for s in self.mine for unit in self.modules[s]}
+        for unit in parts.values():
+            if id(unit) in mine:
+                continue
+            for tensor in [*unit.parameters(), *unit.buffers()]:
+                if self.optimizer is not None:
+                    self.optimizer.state.pop(tensor, None)
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         task = self.recipe.task
@@ -183,13 +198,14 @@ class Pipeline(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         self._global_units = batch.global_units
         for stage in self.stage_objects:
-            stage.busy = 0.0
+            stage.busy, stage.sent, stage.received = 0.0, 0, 0
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
         args = (batch.inputs,) if 0 in self.mine else ()
         self.schedule.step(*args, target=batch.targets, losses=losses, return_outputs=False)
         wall = time.perf_counter() - start
         busy = sum(stage.busy for stage in self.stage_objects)
+        self.traffic.add(sum(s.sent for s in self.stage_objects), sum(s.received for s in self.stage_objects))
         self._busy, self._wall = self._busy + busy, self._wall + wall
         self._busy_total, self._wall_total = self._busy_total + busy, self._wall_total + wall
         if self.replicas > 1:
@@ -241,16 +257,18 @@ class Pipeline(Strategy):
         return {**super().take_metrics(), "pp_busy_s": round(busy, 4), "pp_idle_s": round(wall - busy, 4)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total))
+        resident = sum(t.numel() for t in self.model.parameters()) if self.model is not None else 0
+        per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total, resident))
         opts = self.options or PipelineConfig()
         theory = plan.theoretical_bubble(self.ranks, opts.microbatches, self.info.chunks)
         return {
             **super().summary_metrics(),
             "pipeline_schedule": opts.schedule,
             "pipeline_split": [self.split.stage_units(s) for s in range(self.num_stages)] if self.split else None,
-            "rank_pp_busy_s": [round(b, 4) for b, _ in per_rank],
-            "rank_pp_idle_s": [round(w - b, 4) for b, w in per_rank],
-            "rank_pp_bubble": [round(1 - b / w, 4) if w else None for b, w in per_rank],
+            "rank_pp_busy_s": [round(b, 4) for b, _, _ in per_rank],
+            "rank_pp_idle_s": [round(w - b, 4) for b, w, _ in per_rank],
+            "rank_pp_bubble": [round(1 - b / w, 4) if w else None for b, w, _ in per_rank],
+            "rank_pp_parameters": [n for _, _, n in per_rank],  # resident on each rank: its stages' only
             "pp_bubble_theoretical": round(float(theory), 4),
         }
 
@@ -275,6 +293,10 @@ class Pipeline(Strategy):
         model = self.model_state_dict()
         assert self.optimizer is not None
         optimizer = self.optimizer.state_dict()  # indices are the whole model's; each rank holds its stages'
+        if self.split is not None:  # after a resume a rank also holds every other stage's loaded, stale state
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            owned = {id(p) for p in self.owned}
+            optimizer["state"] = {i: s for i, s in optimizer["state"].items() if id(params[i]) in owned}
         states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
         if model is None:
             return None
