@@ -293,10 +293,6 @@ class Pipeline(Strategy):
         model = self.model_state_dict()
         assert self.optimizer is not None
         optimizer = self.optimizer.state_dict()  # indices are the whole model's; each rank holds its stages'
-        if self.split is not None:  # after a resume a rank also holds every other stage's loaded, stale state
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            owned = {id(p) for p in self.owned}
-            optimizer["state"] = {i: s for i, s in optimizer["state"].items() if id(params[i]) in owned}
         states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
         if model is None:
             return None
