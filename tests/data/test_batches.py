@@ -1,8 +1,10 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from polytrain.data.base import TensorData
-from polytrain.data.batches import BatchPlan, Shard, ShardedBatches, eval_batches
+from polytrain.data.batches import BatchPlan, Resumed, Shard, ShardedBatches, eval_batches
 
 
 def test_each_example_once_per_epoch_and_epochs_differ():
@@ -101,3 +103,18 @@ def test_a_per_step_shard_is_asked_when_each_batch_is_drawn():
             assert torch.equal(y, plan.global_indices(step)[: 2 + step])
     with pytest.raises(ValueError, match="num_workers=0"):
         ShardedBatches(_MapStyle(n), plan, shard_at, torch.device("cpu"), num_workers=2)
+
+
+def test_batches_carry_the_indices_they_were_drawn_from_on_every_path():
+    # labels are the indices here, so what a batch holds says which examples it is; a resumed plan
+    # (another global batch from step 3) crossing an epoch, through the loader with a process ahead of it
+    n = 40
+    plan = replace(BatchPlan(n, 4, seed=5), resumed=Resumed(3, 0, 16, 40))
+    data = TensorData(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
+    for source, workers in ((data, 0), (_MapStyle(n), 0), (_MapStyle(n), 1)):
+        batches = ShardedBatches(source, plan, Shard(1, 2), torch.device("cpu"), start_step=3, num_workers=workers)
+        drawn = [batch for batch, _ in zip(batches, range(9))]  # 6 steps finish epoch 0, 3 begin epoch 1
+        assert [b.step for b in drawn] == list(range(3, 12))
+        assert all(torch.equal(b.indices, b.targets) for b in drawn)
+        assert torch.equal(torch.cat([b.indices for b in drawn[:6]]),
+                           torch.cat([Shard(1, 2).take(plan.order(0)[i:i + 4]) for i in range(16, 40, 4)]))
