@@ -45,6 +45,15 @@ class WorkerError(PolytrainError):
     exit_code = 1
 
 
+class PeerLostError(WorkerError):
+    """Another rank stopped sending heartbeats, or said it failed; this rank stopped too. ``rank`` is the
+    lost rank (None: the rendezvous store itself was lost)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
 class CommunicationError(PolytrainError):
     """A collective did not complete: a peer did not arrive within the timeout."""
 

@@ -7,6 +7,8 @@ of a dead rank see broken connections), picks the root cause, stops every remain
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import signal
 import time
@@ -27,7 +29,7 @@ _COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "
 @dataclass
 class Failure:
     rank: int
-    kind: str  # "signal", "exit", "user", "exception"
+    kind: str  # "signal", "exit", "user", "exception", "stopped"
     message: str
     error_class: str = ""
     details: str = ""
@@ -35,13 +37,15 @@ class Failure:
 
     def priority(self) -> int:
         """Lower is more likely the root cause."""
+        if self.error_class == "PeerLostError":  # a survivor reporting another rank's loss: never the cause
+            return 4
         if self.kind == "signal":
             return 0
         if self.kind == "user":
             return 1
         if self.kind == "exception" and not any(h in self.message.lower() for h in _COMM_HINTS):
             return 2
-        return 3
+        return 5 if self.kind == "stopped" else 3
 
 
 def describe_exception(exc: BaseException) -> dict[str, str]:
@@ -91,7 +95,10 @@ def supervise(processes: list[Any], conns: list[Connection], names: Sequence[str
         stop_all(processes)
     silent = [rank for rank in range(len(processes))
               if rank not in results and not any(f.rank == rank for f in failures)]
-    failures += [Failure(rank, "exit", "exited without reporting a result", at=time.monotonic()) for rank in silent]
+    # stopped by stop_all, or gone without a word: the cause only when nothing else failed (a frozen rank
+    # that its peers' heartbeats reported is named by them)
+    failures += [Failure(rank, "stopped", "exited without reporting a result", at=time.monotonic())
+                 for rank in silent]
     if failures:
         raise _root_cause(failures, len(processes), names)
     return [results.get(rank) for rank in range(len(processes))]
@@ -120,6 +127,8 @@ def stop_all(processes: list[Any]) -> None:
     for proc in processes:
         if proc.is_alive():
             proc.terminate()
+            with contextlib.suppress(OSError):  # a stopped (SIGSTOP) worker acts on SIGTERM only once continued
+                os.kill(proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + _TERM_GRACE_S
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -138,9 +147,12 @@ def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] |
             cls = errors.PolytrainError
         err = Exception.__new__(cls)
         Exception.__init__(err, cause.message if world_size == 1 else f"[rank {cause.rank}] {cause.message}")
+        err.failed_rank, err.cause = cause.rank, cause.message  # for a restart's log (train/restart.py)
         return err
     others = sorted({f.rank for f in failures} - {cause.rank})
     tail = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
-    verb = "" if cause.kind in ("signal", "exit") else "failed: "
+    verb = "" if cause.kind in ("signal", "exit", "stopped") else "failed: "
     name = names[cause.rank] if names else f"worker rank {cause.rank}"
-    return errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped")
+    err = errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped")
+    err.failed_rank, err.cause = cause.rank, f"{name} {verb}{cause.message}"  # for a restart's log (train/restart.py)
+    return err

@@ -1,0 +1,255 @@
+"""Failure detection by heartbeat: every rank beats into the rendezvous store and watches the others' beats.
+
+A collective whose peer is gone waits for ``--timeout`` (300 s by default), and a peer whose machine
+vanished never closes its sockets, so nothing tells the survivors before then. Under ``torchrun`` across
+machines no local supervisor sees such a death either. So each rank runs one background thread that, every
+``interval`` seconds, adds 1 to its own counter in the c10d store and reads every rank's counter in one
+``multi_get``. A counter that has not moved for ``timeout`` seconds (measured on the watcher's own clock, so
+the machines' clocks need not agree) is a lost rank: the thread calls ``on_lost`` with a
+:class:`~polytrain.errors.PeerLostError` naming it (rank, what it is, host and pid), and the launcher makes
+the survivor exit non-zero at once, even while its main thread is blocked inside a collective.
+
+Nothing runs on the training thread: a step pays nothing. The thread uses a connection to the store of its
+own, so it never queues behind the main thread's store calls.
+
+Normal ends are not deaths: a rank that finishes (a parameter server, a pipeline stage, a worker done before
+the others) says goodbye, which sets its counter past ``BYE``; a rank that fails with an error says so
+(counter past ``FAILED``, its message under its own key), and the others report that at their next look
+instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from polytrain.errors import PeerLostError
+from polytrain.log import get_logger
+
+#: a counter at or past this value: the rank ended normally (goodbye); past FAILED: it failed with an error
+BYE = 1 << 40
+FAILED = 1 << 50
+#: how long a rank may take to send its first beat (ranks start seconds apart; a missing one is the rendezvous'
+#: business, which has its own timeout)
+_START_FACTOR = 3
+
+
+def beat_interval(timeout: float) -> float:
+    """Seconds between beats: a few beats per timeout, at most one a second."""
+    return min(1.0, timeout / 4)
+
+
+class Heartbeat:
+    """Beat for ``rank`` and watch the other ranks of a world of ``world_size`` through ``store``.
+
+    ``store`` should be a connection of its own (``TCPStore.clone()``, or a client made for it): the
+    thread's reads must not wait behind the main thread's. ``prefix`` separates one job (or one restart of
+    it) from another in a store that outlives it, as torchrun's does. ``names[r]`` says what rank ``r`` is in
+    the error ("parameter server rank 3"). ``on_lost(error)`` is called once, from the thread.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout: float,
+                 on_lost: Callable[[PeerLostError], None], prefix: str = "polytrain/heartbeat",
+                 names: Sequence[str] | None = None, interval: float | None = None,
+                 start_timeout: float | None = None):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.interval = interval or beat_interval(timeout)
+        self.start_timeout = start_timeout or _START_FACTOR * timeout
+        self.on_lost = on_lost
+        self.prefix = prefix.rstrip("/")
+        self.names = list(names) if names else None
+        self._keys = [self._key("beat", r) for r in range(world_size)]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread reports a loss, or the owner stops it: one of the two
+        self._ended = False
+        self._lost = False  # the thread is reporting a loss (the process is about to end)
+        self._thread: threading.Thread | None = None
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}/{kind}/{rank}"
+
+    # -- the owner's side ----------------------------------------------------------------------------
+
+    def start(self) -> "Heartbeat":
+        """Publish where this rank runs, beat once, and start watching (a daemon thread)."""
+        self.store.set_timeout(store_timeout(self.timeout))  # a hung store call counts as the store lost
+        where = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.store.set(self._key("where", self.rank), json.dumps(where))
+        self.store.add(self._keys[self.rank], 1)
+        self._thread = threading.Thread(target=self._run, name=f"polytrain-heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def goodbye(self) -> None:
+        """This rank ends normally: stop beating, and the others stop watching it."""
+        self._end(BYE)
+
+    def failed(self, message: str) -> None:
+        """This rank ends with an error: the others report ``message`` without waiting for the timeout."""
+        with contextlib.suppress(Exception):  # the store may be gone too: the peers' timeout still holds
+            self.store.set(self._key("failure", self.rank), message)
+        self._end(FAILED)
+
+    def _end(self, mark: int) -> None:
+        with self._lock:
+            lost, already = self._lost, self._ended
+            self._ended = True
+        if lost and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()  # the loss is being reported and this process ended: do not race its report
+        if already:
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.interval + 5.0)
+        with contextlib.suppress(Exception):
+            self.store.add(self._keys[self.rank], mark)
+
+    # -- the thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as exc:  # a bug here must not kill the job; it only stops the watching
+            get_logger().warning(f"heartbeat stopped watching: {type(exc).__name__}: {exc}\n"
+                                 f"{traceback.format_exc()}")
+
+    def _watch(self) -> None:
+        started = last_tick = time.monotonic()
+        seen = [0] * self.world_size  # each rank's last counter
+        moved = [started] * self.world_size  # when it last moved, on this watcher's clock
+        store_since: float | None = None  # when the store stopped answering
+        for key in self._keys:  # a rank not started yet reads 0 rather than blocking multi_get
+            self.store.add(key, 0)
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self.store.add(self._keys[self.rank], 1)
+                values = [int(v) for v in self.store.multi_get(self._keys)]
+                store_since = None
+            except Exception as exc:  # DistStoreError, a closed connection: the store's host may be gone
+                store_since = store_since or now
+                if now - store_since > self.timeout:
+                    self._lose(PeerLostError(
+                        f"the rendezvous store stopped answering {now - store_since:.1f} s ago ({exc}); the process "
+                        "that hosts it (the launcher, or torchrun's agent on the first machine) is gone or "
+                        "unreachable"))
+                    return
+                continue
+            if now - last_tick > self.timeout / 2:
+                # this watcher was not scheduled for a while (a stopped or starved process): its own pause,
+                # not the others' silence; start counting afresh
+                moved = [now] * self.world_size
+            last_tick = now
+            error = self._check(values, seen, moved, now, started)
+            if error is not None:
+                self._lose(error)
+                return
+
+    def _check(self, values: list[int], seen: list[int], moved: list[float], now: float,
+               started: float) -> PeerLostError | None:
+        for rank, value in enumerate(values):
+            if rank == self.rank:
+                continue
+            if value >= FAILED:
+                return PeerLostError(f"{self._describe(rank)} failed: {self._failure(rank)}", rank)
+            if value >= BYE:
+                continue
+            if value != seen[rank]:
+                seen[rank], moved[rank] = value, now
+                continue
+            silent = now - moved[rank]
+            if value == 0 and now - started > self.start_timeout:
+                return PeerLostError(f"{self._describe(rank)} sent no heartbeat within {self.start_timeout:g} s of "
+                                     "the start: it did not start, or died starting", rank)
+            if value > 0 and silent > self.timeout:
+                return PeerLostError(
+                    f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s (bound: --heartbeat-timeout "
+                    f"{self.timeout:g}): it died, was stopped, or its machine is unreachable", rank)
+        return None
+
+    def _lose(self, error: PeerLostError) -> None:
+        with self._lock:
+            if self._ended:  # the owner ended this rank normally meanwhile: nothing to report
+                return
+            self._ended = self._lost = True
+        self.on_lost(error)
+
+    def _describe(self, rank: int) -> str:
+        name = self.names[rank] if self.names and rank < len(self.names) else f"rank {rank}"
+        with contextlib.suppress(Exception):
+            if self.store.check([self._key("where", rank)]):
+                where = json.loads(self.store.get(self._key("where", rank)))
+                return f"{name} (host {where['host']}, pid {where['pid']})"
+        return name
+
+    def _failure(self, rank: int) -> str:
+        with contextlib.suppress(Exception):
+            return self.store.get(self._key("failure", rank)).decode(errors="replace")
+        return "(its error did not reach the store)"
+
+
+def exit_on_loss(report: Callable[[PeerLostError], None] | None = None,
+                 code: int = PeerLostError.exit_code) -> Callable[[PeerLostError], None]:
+    """An ``on_lost`` that logs the error, hands it to ``report`` (the launcher's pipe), writes torchrun's
+    error file where torchrun asked for one, and ends this process at once: the main thread may be blocked
+    in a collective that would otherwise wait for ``--timeout``."""
+
+    def lost(error: PeerLostError) -> None:
+        try:
+            get_logger().error(f"{error}; stopping this rank")
+            if report is not None:
+                report(error)
+            _record_for_torchrun(error)
+        finally:
+            os._exit(code)
+
+    return lost
+
+
+def _record_for_torchrun(error: PeerLostError) -> None:
+    """torchrun's agent reads a failed worker's error file (TORCHELASTIC_ERROR_FILE) for its summary."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    with contextlib.suppress(Exception):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(error)
+
+
+class NoHeartbeat:
+    """What :func:`watch_peers` returns when there is nothing to watch (one process, or turned off)."""
+
+    def goodbye(self) -> None:
+        pass
+
+    def failed(self, message: str) -> None:
+        pass
+
+
+def watch_peers(address: str, port: int, rank: int, world_size: int, timeout: float, *,
+                connect_timeout: float, names: Sequence[str] | None = None,
+                report: Callable[[PeerLostError], None] | None = None,
+                prefix: str = "polytrain/heartbeat") -> Heartbeat | NoHeartbeat:
+    """Start this rank's heartbeat on a connection of its own to the store at ``address:port``; a lost
+    peer ends this process (:func:`exit_on_loss`). ``timeout`` 0 turns it off."""
+    if timeout <= 0 or world_size < 2:
+        return NoHeartbeat()
+    store = dist.TCPStore(address, port, None, is_master=False, timeout=store_timeout(connect_timeout))
+    return Heartbeat(store, rank, world_size, timeout=timeout, on_lost=exit_on_loss(report), prefix=prefix,
+                     names=names).start()
+
+
+def store_timeout(seconds: float) -> timedelta:
+    """The heartbeat connection's own store timeout: a call that hangs longer counts as a store failure."""
+    return timedelta(seconds=max(1.0, seconds))

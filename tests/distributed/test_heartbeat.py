@@ -1,0 +1,151 @@
+"""Heartbeat failure detection on real processes and a real c10d store, with no supervisor reacting.
+
+The members below are started with plain multiprocessing (not the launcher, whose supervisor would stop
+everyone as soon as a process dies): what ends the survivors is their heartbeat alone, while their main
+threads are blocked in waits that would otherwise last 60 s.
+"""
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import polytrain
+from polytrain.distributed.heartbeat import Heartbeat
+from polytrain.distributed.launch import _start_context
+from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
+from polytrain.errors import PeerLostError, WorkerError
+from tests.helpers.procs import leftover_children
+
+TIMEOUT = 1.5  # heartbeat bound in these tests
+LOST = 17  # the exit code a member uses when its heartbeat reports a loss
+
+
+def _member(rank, world, port, scenario, results):
+    store = connect_store("127.0.0.1", port, timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+    def lost(error):
+        results.put((rank, error.rank, str(error), time.monotonic()))
+        os._exit(LOST)
+
+    beat = Heartbeat(store.clone(), rank, world, timeout=TIMEOUT, on_lost=lost).start()
+    dist.barrier()
+    if scenario == "kill":
+        if rank == 3:  # a normal early end (a parameter server, a last pipeline stage): not a death
+            beat.goodbye()
+            return
+        if rank == 2:  # dies once rank 3 has been gone longer than the bound
+            time.sleep(2 * TIMEOUT)
+            os.kill(os.getpid(), signal.SIGKILL)
+        # ranks 0 and 1 block in a long c10d wait (a gloo op would fail at once here: gloo fails pending
+        # operations when any peer's connection closes, and rank 2's does when it is killed)
+        store.wait(["never set"], timedelta(seconds=60))
+    elif scenario == "freeze":
+        if rank == 2:  # a machine that vanished: no beat, but its sockets stay open
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_reduce(torch.ones(1))  # ranks 0 and 1 wait for rank 2 inside a collective
+    os._exit(0)
+
+
+def _run(scenario, world, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback_interface())
+    server = StoreServer(timedelta(seconds=30))
+    ctx = _start_context()  # the launcher's forkserver: a member starts in a fraction of a second
+    results = ctx.SimpleQueue()  # put() writes at once: the member calls os._exit right after
+    procs = [ctx.Process(target=_member, args=(rank, world, server.port, scenario, results)) for rank in range(world)]
+    try:
+        for proc in procs:
+            proc.start()
+        victim = procs[2]
+        deadline = time.monotonic() + 120  # a hang guard only
+        if scenario == "kill":
+            victim.join(120)
+            gone_at = time.monotonic()
+        else:
+            while _state(victim.pid) != "T":
+                assert time.monotonic() < deadline, "rank 2 never stopped"
+                time.sleep(0.01)
+            gone_at = time.monotonic()
+        for proc in procs[:2]:
+            proc.join(60)
+        reports = [results.get() for proc in procs[:2] if proc.exitcode == LOST]
+        return reports, gone_at, [p.exitcode for p in procs[:2]]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        server.close()
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def _assert_named_in_time(reports, gone_at, codes):
+    assert sorted(r[0] for r in reports) == [0, 1] and codes == [LOST, LOST]
+    for _, lost_rank, message, at in reports:
+        assert lost_rank == 2 and message.startswith("rank 2 (host "), message
+        assert "sent no heartbeat for" in message
+        # the bound, plus one beat interval to notice, plus scheduling slack on a loaded machine
+        assert at - gone_at < TIMEOUT + 3.0, f"reported {at - gone_at:.1f} s after the death"
+
+
+def test_a_killed_rank_is_named_on_every_survivor_within_the_bound_and_a_goodbye_is_not(monkeypatch):
+    reports, gone_at, codes = _run("kill", 4, monkeypatch)
+    _assert_named_in_time(reports, gone_at, codes)
+
+
+def test_a_frozen_rank_ends_survivors_blocked_in_a_collective(monkeypatch):
+    reports, gone_at, codes = _run("freeze", 3, monkeypatch)
+    _assert_named_in_time(reports, gone_at, codes)
+
+
+def test_a_failure_is_told_at_once_not_after_the_bound():
+    """Two heartbeats in one process on a real store: a failed rank's message reaches the other in about one
+    beat interval, not after the bound."""
+    server = StoreServer(timedelta(seconds=10))
+    try:
+        lost = []
+        seen = threading.Event()
+
+        def on_lost(error):
+            lost.append(error)
+            seen.set()
+
+        watcher = Heartbeat(server.store.clone(), 0, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
+        other = Heartbeat(server.store.clone(), 1, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
+        time.sleep(0.3)
+        assert not lost
+        started = time.monotonic()
+        other.failed("ValueError: boom")
+        assert seen.wait(5)
+        assert time.monotonic() - started < 2.0
+        assert lost[0].rank == 1 and "rank 1 (host" in str(lost[0])
+        assert str(lost[0]).endswith("failed: ValueError: boom")
+        watcher.goodbye()
+    finally:
+        server.close()
+
+
+def _freeze_rank_2(ctx):
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_the_launcher_names_a_frozen_rank_and_leaves_no_process():
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 2 \(host .*\) sent no heartbeat for") as info:
+        polytrain.launch(_freeze_rank_2, workers=3, device="cpu", backend="gloo", timeout=60,
+                         threads_per_worker=1, heartbeat_timeout=TIMEOUT)
+    assert isinstance(info.value, PeerLostError)
+    assert time.monotonic() - started < 30
+    assert leftover_children(os.getpid()) == []
