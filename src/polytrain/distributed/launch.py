@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
+from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
 from polytrain.distributed.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.distributed.topology import Topology
@@ -54,6 +55,9 @@ class LaunchConfig:
                           choices=BACKENDS)
     timeout: float = option(300.0, "seconds before the rendezvous or any collective gives up", minimum=1.0,
                             metavar="S")
+    heartbeat_timeout: float = option(8.0, "a rank whose heartbeat stops this long is reported dead on every "
+                                      "other rank, which exits at once instead of waiting --timeout in a "
+                                      "collective (0: off)", minimum=0.0, metavar="S")
     master_port: int | None = option(None, "port of the local rendezvous on 127.0.0.1 (default: a free one)",
                                      minimum=0, metavar="PORT")
     log_all_ranks: bool = option(False, "every rank logs, prefixed [rank N] (default: rank 0 only)")
@@ -106,6 +110,8 @@ class _Job:
     #: the launcher's environment at launch, with the workers' own settings: a forkserver child would
     #: otherwise see the environment the forkserver was started with, not the one of this launch
     environ: tuple[tuple[str, str], ...] = ()
+    heartbeat_timeout: float = 0.0
+    rank_names: tuple[str, ...] | None = None
 
 
 #: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
@@ -183,7 +189,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
            soft_placement: bool = False, host_memory: str = "cache",
-           rank_names: Sequence[str] | None = None) -> list[Any]:
+           rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -192,6 +198,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     CPU) with a warning instead of failing. ``host_memory`` is how each worker's malloc treats freed tensor
     memory (``cache``: kept for reuse; ``release``: glibc's default), see :mod:`polytrain.devices.host_memory`.
     ``rank_names`` says what each rank is when its failure is reported (default "worker rank N").
+    ``heartbeat_timeout``: a rank silent this long is reported on every other rank, which then exits
+    (:mod:`polytrain.distributed.heartbeat`; 0: off).
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
@@ -201,7 +209,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
         raise ConfigError(f"host_memory must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {host_memory!r}")
     if under_torchrun():
         set_host_memory(host_memory)
-        return [_join_torchrun(fn, args, device, backend, timeout, soft_placement)]
+        return [_join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout)]
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
@@ -211,7 +219,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
     job = _Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
-               host_memory)
+               host_memory, heartbeat_timeout=heartbeat_timeout,
+               rank_names=tuple(rank_names) if rank_names else None)
     return _spawn(job, master_port, rank_names)
 
 
@@ -321,8 +330,11 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
     setup_logging(rank, job.world_size, all_ranks=job.log_all_ranks)
     try:
         topology = _init_spawned(job, rank)
+        beat = watch_peers("127.0.0.1", job.store_port, rank, job.world_size, job.heartbeat_timeout,
+                           connect_timeout=job.timeout_s, names=job.rank_names,
+                           report=lambda error: send_report(conn, "error", describe_exception(error)))
         try:
-            result = job.fn(WorkerContext(topology), *job.args)
+            result = _with_heartbeat(beat, job.fn, WorkerContext(topology), *job.args)
         finally:
             dist.destroy_process_group()
         send_report(conn, "ok", result)
@@ -331,6 +343,17 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
         conn.close()
         os._exit(1)
     conn.close()
+
+
+def _with_heartbeat(beat: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, then goodbye to the peers' heartbeat watchers; or, if it raised, the error for them."""
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        beat.failed(describe_exception(exc)["message"])
+        raise
+    beat.goodbye()
+    return result
 
 
 def _init_spawned(job: _Job, rank: int) -> Topology:
@@ -344,7 +367,7 @@ def _init_spawned(job: _Job, rank: int) -> Topology:
 
 
 def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, backend: str,
-                   timeout: float, soft_placement: bool = False) -> Any:
+                   timeout: float, soft_placement: bool = False, heartbeat_timeout: float = 0.0) -> Any:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -360,7 +383,12 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, b
     delta = timedelta(seconds=timeout)
     dist.init_process_group(chosen, timeout=delta)
     topology = Topology(rank, world, local_rank, local_world, resolved, chosen, dist.group.WORLD, delta)
+    # keys of their own per run and per restart: torchrun's store outlives a restart of the workers
+    prefix = (f"polytrain/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    beat = watch_peers(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, heartbeat_timeout,
+                       connect_timeout=timeout, prefix=prefix)
     try:
-        return fn(WorkerContext(topology), *args)
+        return _with_heartbeat(beat, fn, WorkerContext(topology), *args)
     finally:
         dist.destroy_process_group()
