@@ -9,9 +9,10 @@ stage feeds the inputs in ``--microbatches M`` pieces, the last computes the tas
 The update equals ``single``'s: each micro-batch's mean loss is divided by ``loss_divisor`` (its share of
 the global batch's units, over the D replicas), gradients are summed over the micro-batches (torch's
 ``scale_grads`` is off), averaged over ``dp`` in ``hybrid``, and ``--clip-grad-norm`` clips the norm over
-all stages. Every rank builds the whole model (the same seed, so the same initial weights as single) and its optimizer
-over all of it, so the optimizer's parameter indices are single's; once the split is chosen, a rank empties
-the other stages' tensors and keeps only its own resident, with their gradients and optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
+all stages. Every rank builds the whole model (the same seed, so single's initial weights) and its
+optimizer over all of it, so the optimizer's parameter indices are single's; once the split is chosen, a
+rank empties the other stages' tensors and keeps only its own resident, with their gradients and
+optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
 state dict and optimizer state, as ``single`` saves them.
 
 The split is chosen at the first step, on rank 0 (which times every unit on one micro-batch, see
