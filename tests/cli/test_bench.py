@@ -5,6 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from polytrain.cli.main import main
+
 
 def polytrain(*args, env, cwd, timeout=600):
     return subprocess.run([sys.executable, "-m", "polytrain", "bench", *args], env=env, cwd=cwd,
@@ -37,3 +41,27 @@ def test_bad_settings_exit_with_one_line(cli_env, tmp_path):
     proc = polytrain("--workers", "0", env=cli_env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "polytrain: error: --workers must be >= 1, got 0"
+
+
+def test_quick_pipeline_suite_writes_json_markdown_and_plot(cli_env, tmp_path):
+    proc = polytrain("--suite", "pipeline", "--quick", "--schedules", "gpipe", "--markdown", "p.md", "--plot", "p.png",
+                     env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "polytrain-bench-pipeline.json").read_text())
+    single, gpipe = doc["rows"]
+    assert (single["case"], gpipe["case"]) == ("single", "gpipe_m2")
+    assert gpipe["speedup"] == pytest.approx(gpipe["examples_per_sec"] / single["examples_per_sec"], rel=1e-3)
+    assert gpipe["speedup_theoretical"] == round(2 * 2 / 3, 4) and gpipe["bubble_theoretical"] == round(1 / 3, 4)
+    assert len(gpipe["rank_busy_s"]) == 2 and all(b > 0 for b in gpipe["rank_busy_s"])
+    assert [b["stages"] for b in doc["balance"]] == [2, 4] and all(b["ratio"] >= 1 for b in doc["balance"])
+    assert "gpipe, P=2, M=2" in proc.stdout and "--split-at auto, 4 stages" in proc.stdout
+    assert "| gpipe, P=2, M=2 |" in (tmp_path / "p.md").read_text()
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_flag_the_suite_does_not_read_is_one_line(capsys):
+    assert main(["bench", "--suite", "pipeline", "--workers", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ("polytrain: error: --workers is not read by --suite pipeline; "
+                                               "drop it (see polytrain bench --help)")
+    assert main(["bench", "--plot", "p.png"]) == 2
+    assert "--plot draws the pipeline suite only" in capsys.readouterr().err

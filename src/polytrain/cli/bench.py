@@ -1,4 +1,7 @@
-"""``polytrain bench``: throughput of single, sync and plain PyTorch DDP on the same steps, in one run."""
+"""``polytrain bench``: throughput of single, sync and plain PyTorch DDP on the same steps, in one run
+(``--suite throughput``, the default); a pipeline's speed-up against its theoretical one
+(``--suite pipeline``); every pipeline configuration run 200 steps under a time limit (``--suite
+pipeline-soak``)."""
 
 from __future__ import annotations
 
@@ -9,85 +12,208 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polytrain.errors import ConfigError
+
 DESCRIPTION = """\
-Measure examples/sec of the same training steps (model, data, per-worker batch) run seven ways: polytrain
-single with 1 thread, polytrain single with all cores, polytrain sync with N workers x 1 thread (as shipped;
-with slices balanced by measured speed, --balance auto; and over the process group's all-reduce like the
-DDP script, --comm backend), a plain hand-written PyTorch DDP
+--suite throughput (default): measure examples/sec of the same training steps (model, data, per-worker
+batch) run seven ways: polytrain single with 1 thread, polytrain single with all cores, polytrain sync with
+N workers x 1 thread (as shipped; with slices balanced by measured speed, --balance auto; and over the
+process group's all-reduce like the DDP script, --comm backend), a plain hand-written PyTorch DDP
 script with N workers x 1 thread, and that script with no gradient exchange at all (the most any
 data-parallel method can reach on this machine). Every case runs with the same --host-memory, the DDP
 script included. Each case is timed after a warm-up, all cases
 are repeated in interleaved order and the medians are compared: polytrain sync / DDP, and weak-scaling
 efficiency = sync N / (N x single 1 thread). Ratios are what to read: absolute numbers drift on a shared
 machine, ratios taken in the same run much less. Any model and in-memory dataset can be measured
-(--model transformer_lm --data text: a language model, whose rows also give tokens/s)."""
+(--model transformer_lm --data text: a language model, whose rows also give tokens/s).
 
-#: smaller defaults for --quick: checks that every case runs, in seconds; its numbers mean little
-QUICK = {"data": "synthetic:shape=3x24x24,size=256,test_size=0", "worker_batch_size": 8, "warmup": 1,
-         "steps": 2, "repeats": 1}
+--suite pipeline: single with 1 thread against pipeline with --stages P processes x 1 thread, same global
+--batch-size, for each of --microbatches and each schedule the installed torch provides: measured speed-up,
+theoretical speed-up P*vM/(vM+P-1), efficiency (their ratio), the bubble (theoretical, simulated, measured
+per stage) and each stage's busy/idle seconds per step; then the balance of --split-at auto for 2 and 4
+stages. --plot FILE draws it (matplotlib).
+
+--suite pipeline-soak: every pipeline configuration of the parity tests (P=2 and 4, M in {P, 2P}, each
+schedule; hybrid 2 x 2) trains --steps (200) steps on a tiny model, each under a --timeout wall-clock limit:
+a table of steps, seconds and ok / failed / hung."""
+
+SUITES = ("throughput", "pipeline", "pipeline-soak")
+
+#: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
+QUICK = {
+    "throughput": {"data": "synthetic:shape=3x24x24,size=256,test_size=0", "worker_batch_size": 8, "warmup": 1,
+                   "steps": 2, "repeats": 1},
+    "pipeline": {"model": "transformer_lm:layers=4,dim=32,heads=2", "data": "text:seq_len=16", "batch_size": 8,
+                 "microbatches": (2,), "warmup": 1, "steps": 2, "repeats": 1},
+    "pipeline-soak": {"steps": 4, "timeout": 120.0},
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def add_parser(sub: Any) -> None:
-    from polytrain.bench.cases import BenchConfig
     from polytrain.devices.host_memory import HOST_MEMORY_CHOICES
 
-    d = BenchConfig()
-    parser = sub.add_parser("bench", help="compare the throughput of single, sync and plain PyTorch DDP",
+    parser = sub.add_parser("bench", help="throughput of single, sync and DDP; pipeline speed-up and soak suites",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"model (default: {d.model}); a language model such as transformer_lm "
+    parser.add_argument("--suite", choices=SUITES, default="throughput", help="what to measure (default: throughput)")
+    parser.add_argument("--model", help="model (default: the suite's); a language model such as transformer_lm "
                                         "with --data text")
-    parser.add_argument("--data", help=f"in-memory dataset (default: {d.data}); for language-model data "
+    parser.add_argument("--data", help="in-memory dataset (default: the suite's); for language-model data "
                                        "tokens/s is reported too")
-    parser.add_argument("--worker-batch-size", type=int, metavar="N",
-                        help=f"examples per worker per step (default: {d.worker_batch_size})")
-    parser.add_argument("--workers", type=int, metavar="N", help=f"workers of sync and DDP (default: {d.workers})")
-    parser.add_argument("--warmup", type=int, metavar="N", help=f"untimed steps first (default: {d.warmup})")
-    parser.add_argument("--steps", type=int, metavar="N", help=f"timed steps per run (default: {d.steps})")
+    parser.add_argument("--worker-batch-size", type=int, metavar="N", help="throughput: examples per worker per step")
+    parser.add_argument("--workers", type=int, metavar="N", help="throughput: workers of sync and DDP (default: 2)")
+    parser.add_argument("--batch-size", type=int, metavar="N", help="pipeline suites: the global batch per step")
+    parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
+    parser.add_argument("--microbatches", type=_ints, metavar="M,M,..",
+                        help="pipeline: micro-batch counts (default: 1,2,4,8)")
+    parser.add_argument("--schedules", type=_names, metavar="S,S,..",
+                        help="pipeline suites: schedules (default: every one the installed torch provides)")
+    parser.add_argument("--warmup", type=int, metavar="N", help="untimed steps first")
+    parser.add_argument("--steps", type=int, metavar="N", help="timed steps per run (pipeline-soak: steps per "
+                                                               "configuration, default 200)")
     parser.add_argument("--repeats", type=int, metavar="N",
-                        help=f"runs of every case, interleaved; the median counts (default: {d.repeats})")
-    parser.add_argument("--lr", type=float, help=f"SGD learning rate (default: {d.lr})")
-    parser.add_argument("--seed", type=int, help=f"seed (default: {d.seed})")
-    parser.add_argument("--timeout", type=float, metavar="S", help=f"collective timeout (default: {d.timeout:g})")
+                        help="runs of every case, interleaved; the median counts (default: 3)")
+    parser.add_argument("--lr", type=float, help="SGD learning rate")
+    parser.add_argument("--seed", type=int, help="seed (default: 0)")
+    parser.add_argument("--timeout", type=float, metavar="S", help="collective timeout (pipeline-soak: wall-clock "
+                                                                   "seconds per configuration, default 300)")
     parser.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES,
-                        help=f"freed tensor memory in every case, the DDP script's too (default: {d.host_memory})")
+                        help="throughput: freed tensor memory in every case, the DDP script's too (default: cache)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny data and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
+                        help="tiny settings and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
     parser.add_argument("--plan", action="store_true", help="print the cases that would run and exit")
-    parser.add_argument("--json", default="polytrain-bench.json", metavar="FILE",
-                        help="write config, environment, rows and ratios here (default: polytrain-bench.json)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write config, environment, rows and ratios here (default: polytrain-bench.json, "
+                             "polytrain-bench-pipeline.json, polytrain-bench-pipeline-soak.json)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    parser.add_argument("--plot", metavar="FILE.png", help="pipeline: also draw speed-up and bubble against M")
     parser.set_defaults(handler=run)
 
 
-def bench_config(args: argparse.Namespace):
+def _config_class(suite: str) -> type:
+    if suite == "pipeline":
+        from polytrain.bench.pipeline import PipelineBenchConfig
+        return PipelineBenchConfig
+    if suite == "pipeline-soak":
+        from polytrain.bench.pipeline_soak import SoakConfig
+        return SoakConfig
     from polytrain.bench.cases import BenchConfig
+    return BenchConfig
 
-    values = dict(QUICK) if args.quick else {}
-    for field in dataclasses.fields(BenchConfig):
-        given = getattr(args, field.name, None)
-        if given is not None:
-            values[field.name] = given
-    return BenchConfig(**values)
+
+#: flags that are not fields of any suite's config
+_NOT_SETTINGS = {"suite", "quick", "plan", "json", "markdown", "plot", "handler", "command"}
+
+
+def bench_config(args: argparse.Namespace):
+    """The suite's config from the flags given; a flag the suite does not read is one ConfigError line."""
+    suite = getattr(args, "suite", "throughput")
+    cls = _config_class(suite)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in vars(args).items():
+        if value is not None and key not in _NOT_SETTINGS and key not in names:
+            raise ConfigError(f"--{key.replace('_', '-')} is not read by --suite {suite}; drop it "
+                              f"(see polytrain bench --help)")
+    if args.plot and suite != "pipeline":
+        raise ConfigError("--plot draws the pipeline suite only; drop it or pass --suite pipeline")
+    values = dict(QUICK[suite]) if args.quick else {}
+    values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    return cls(**values)
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = bench_config(args)
+    cfg.check()
+    if args.suite == "pipeline":
+        doc = _run_pipeline(cfg, args)
+    elif args.suite == "pipeline-soak":
+        doc = _run_soak(cfg, args)
+    else:
+        doc = _run_throughput(cfg, args)
+    if doc is None:
+        return 0
+    path = args.json or {"throughput": "polytrain-bench.json"}.get(args.suite, f"polytrain-bench-{args.suite}.json")
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    written = [path]
+    if args.markdown:
+        written.append(args.markdown)
+    if args.plot:
+        written.append(args.plot)
+    print(f"\nwritten: {', '.join(written)}")
+    return 0 if doc.get("all_ok", True) else 1
+
+
+def _progress(message: str) -> None:
+    print(message, flush=True)
+
+
+def _run_throughput(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench import describe, format_markdown, format_text, plan, run_bench
     from polytrain.distributed.launch import available_cores
 
-    cfg = bench_config(args)
-    cfg.check()
     print(describe(cfg, plan(cfg)), flush=True)
     if args.plan:
-        return 0
+        return None
     if cfg.workers > available_cores():
         print(f"polytrain: warning: {cfg.workers} workers on {available_cores()} cores: the workers share cores, "
               "so weak scaling cannot be reached", file=sys.stderr)
-    doc = run_bench(cfg, progress=lambda message: print(message, flush=True))
+    doc = run_bench(cfg, progress=_progress)
     print("\n" + format_text(doc))
-    Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-    written = [args.json]
     if args.markdown:
         Path(args.markdown).write_text(format_markdown(doc))
-        written.append(args.markdown)
-    print(f"\nwritten: {', '.join(written)}")
-    return 0
+    return doc
+
+
+def _run_pipeline(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.pipeline import cases, run_suite
+    from polytrain.bench.pipeline_report import PlotUnavailable, format_markdown, format_text, plot
+
+    chosen, skipped = cases(cfg)
+    print(f"{cfg.model} on {cfg.data}, global batch {cfg.batch_size}, {cfg.warmup} warm-up + {cfg.steps} timed "
+          f"steps, {cfg.repeats} interleaved repeat(s):", flush=True)
+    print("\n".join(f"  {c.label}" for c in chosen) + "".join(f"\n  not run: {s}" for s in skipped), flush=True)
+    if args.plan:
+        return None
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (before minutes of measuring, not after)
+        except ImportError:
+            print("polytrain: warning: --plot needs matplotlib (pip install 'polytrain[plot]'); "
+                  "no plot will be drawn", file=sys.stderr)
+            args.plot = None
+    doc = run_suite(cfg, progress=_progress)
+    print("\n" + format_text(doc))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc))
+    if args.plot:
+        try:
+            plot(doc, args.plot)
+        except PlotUnavailable as exc:
+            print(f"polytrain: warning: {exc}", file=sys.stderr)
+            args.plot = None
+    return doc
+
+
+def _run_soak(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.pipeline_soak import format_markdown, format_text, run_soak, soak_cases
+
+    chosen, skipped = soak_cases(cfg)
+    print(f"{len(chosen)} configurations, {cfg.steps} steps each, at most {cfg.timeout:g} s each:", flush=True)
+    print("\n".join(f"  {c.label}" for c in chosen) + "".join(f"\n  not run: {s}" for s in skipped), flush=True)
+    if args.plan:
+        return None
+    doc = run_soak(cfg, progress=_progress)
+    print("\n" + format_text(doc))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc))
+    return doc

@@ -1,0 +1,178 @@
+"""The pipeline suite's rows, verdicts and outputs: a text table, Markdown and a PNG plot.
+
+Speed-ups are medians of per-repeat ratios (each pipeline run against the ``single`` run of the same
+repeat, minutes apart at most); each stage's busy and idle seconds per step are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from polytrain.bench.pipeline import PipelineBenchConfig, PipelineCase, Run
+from polytrain.bench.report import environment
+from polytrain.strategies.pipeline import plan
+
+#: the issue's bar: at M=8, P=2 the measured speed-up reaches this share of the theoretical one
+EFFICIENCY_TARGET = 0.85
+TARGET_MICROBATCHES = 8
+
+
+def _median_columns(lists: list[list[float]]) -> list[float]:
+    return [statistics.median(column) for column in zip(*lists)] if lists and lists[0] else []
+
+
+def case_row(case: PipelineCase, mine: list[Run], single: list[Run]) -> dict[str, Any]:
+    rates = [r.examples_per_sec for r in mine]
+    row: dict[str, Any] = {"case": case.key, "label": case.label, "strategy": case.strategy,
+                           "schedule": case.schedule, "stages": case.stages, "microbatches": case.microbatches,
+                           "chunks": case.chunks, "examples_per_sec": round(statistics.median(rates), 2),
+                           "runs_examples_per_sec": [round(r, 2) for r in rates],
+                           "step_s": round(statistics.median(r.step_s for r in mine), 5)}
+    if case.strategy == "single":
+        return row
+    by_repeat = {r.repeat: r.examples_per_sec for r in single}
+    paired = [r.examples_per_sec / by_repeat[r.repeat] for r in mine]
+    speedup = statistics.median(paired)
+    theory = case.theoretical_speedup()
+    busy, idle = _median_columns([r.busy for r in mine]), _median_columns([r.idle for r in mine])
+    measured_bubble = [i / (b + i) if b + i else None for b, i in zip(busy, idle)]
+    simulated = plan.simulate(case.schedule, case.stages, case.microbatches).bubble
+    row.update({
+        "speedup": round(speedup, 4), "speedup_per_repeat": [round(v, 4) for v in paired],
+        "speedup_theoretical": round(theory, 4), "efficiency": round(speedup / theory, 4),
+        "bubble_theoretical": round(case.theoretical_bubble(), 4), "bubble_simulated": round(float(simulated), 4),
+        "rank_busy_s": [round(v, 5) for v in busy], "rank_idle_s": [round(v, 5) for v in idle],
+        "rank_bubble": [None if v is None else round(v, 4) for v in measured_bubble],
+        "busy_slowest_fastest": round(max(busy) / min(busy), 4) if busy and min(busy) > 0 else None,
+        "split": mine[-1].split,
+    })
+    if case.microbatches == TARGET_MICROBATCHES and case.stages == 2:
+        row.update({"target": EFFICIENCY_TARGET, "met": speedup >= EFFICIENCY_TARGET * theory})
+    return row
+
+
+def result_document(cfg: PipelineBenchConfig, chosen: list[PipelineCase], skipped: list[str], runs: list[Run],
+                    balance: list[dict[str, Any]]) -> dict[str, Any]:
+    single = sorted((r for r in runs if r.case == "single"), key=lambda r: r.repeat)
+    rows = [case_row(c, sorted((r for r in runs if r.case == c.key), key=lambda r: r.repeat), single)
+            for c in chosen]
+    return {"suite": "pipeline", "config": cfg.to_dict(), "env": environment(), "rows": rows, "skipped": skipped,
+            "balance": balance}
+
+
+def _fmt_list(values: list[Any], spec: str) -> str:
+    return "/".join("-" if v is None else format(v, spec) for v in values)
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if "target" not in row:
+        return ""
+    return f">= {row['target']:.2f} x theoretical: {'met' if row['met'] else 'NOT met'}"
+
+
+def _balance_lines(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for b in doc["balance"]:
+        stages = " | ".join(f"{u[0]}..{u[-1]}" if len(u) > 1 else u[0] for u in b["stage_units"])
+        lines.append(f"--split-at auto, {b['stages']} stages: {stages}; stage ms (second profile) "
+                     f"{_fmt_list(b['stage_ms'], '.1f')}; slowest/fastest {b['ratio']:.3f} "
+                     f"(target <= {b['target']}: {'met' if b['met'] else 'NOT met'})")
+    return lines
+
+
+def _header(doc: dict[str, Any]) -> str:
+    cfg, env = doc["config"], doc["env"]
+    return (f"{cfg['model']} on {cfg['data']}, global batch {cfg['batch_size']}; single 1 thread against "
+            f"pipeline P={cfg['stages']} x 1 thread; median of {cfg['repeats']} interleaved repeat(s) of "
+            f"{cfg['steps']} steps after {cfg['warmup']} warm-up; {env['cores']} cores ({env['cpu']}), "
+            f"torch {env['torch']}, {env['date']}")
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    lines = [_header(doc), "",
+             f"{'case':<30} {'ex/s':>7} {'speed-up':>8} {'theory':>6} {'effic.':>6} {'bubble th/sim/meas':>22} "
+             f"{'busy s/step':>13} {'idle s/step':>13}  speed-up per repeat"]
+    for row in doc["rows"]:
+        if row["strategy"] == "single":
+            lines.append(f"{row['label']:<30} {row['examples_per_sec']:>7.1f} {'1':>8}")
+            continue
+        measured = _fmt_list(row["rank_bubble"], ".2f")
+        bubble = f"{row['bubble_theoretical']:.2f}/{row['bubble_simulated']:.2f}/{measured}"
+        lines.append(f"{row['label']:<30} {row['examples_per_sec']:>7.1f} {row['speedup']:>8.3f} "
+                     f"{row['speedup_theoretical']:>6.3f} {row['efficiency']:>6.3f} {bubble:>22} "
+                     f"{_fmt_list(row['rank_busy_s'], '.3f'):>13} {_fmt_list(row['rank_idle_s'], '.3f'):>13}  "
+                     f"{_fmt_list(row['speedup_per_repeat'], '.3f')}  {_verdict(row)}".rstrip())
+    if doc["skipped"]:
+        lines += ["", "not run (the schedule's limits):"] + [f"  {s}" for s in doc["skipped"]]
+    lines += [""] + _balance_lines(doc)
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    lines = [_header(doc) + ".", "",
+             "Speed-up: pipeline examples/s over single's in the same repeat (median of repeats). Theoretical: "
+             "P·vM/(vM+P−1). Efficiency: measured/theoretical. Bubble: theoretical (P−1)/(vM+P−1), simulated "
+             "with unit costs (`polytrain plan`), measured per stage as idle/(busy+idle) inside the schedule.",
+             "", "| case | examples/s | speed-up | theoretical | efficiency | bubble theor. | bubble sim. | "
+                 "bubble measured (per stage) | busy s/step (per stage) | idle s/step (per stage) | "
+                 "speed-up per repeat | bar |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+    for row in doc["rows"]:
+        if row["strategy"] == "single":
+            lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | 1 | | | | | | | | "
+                         f"{', '.join(f'{r:.1f}' for r in row['runs_examples_per_sec'])} ex/s | |")
+            continue
+        lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | {row['speedup']:.3f} | "
+                     f"{row['speedup_theoretical']:.3f} | {row['efficiency']:.3f} | {row['bubble_theoretical']:.3f} | "
+                     f"{row['bubble_simulated']:.3f} | {_fmt_list(row['rank_bubble'], '.3f')} | "
+                     f"{_fmt_list(row['rank_busy_s'], '.3f')} | {_fmt_list(row['rank_idle_s'], '.3f')} | "
+                     f"{', '.join(f'{v:.3f}' for v in row['speedup_per_repeat'])} | {_verdict(row) or '—'} |")
+    if doc["skipped"]:
+        lines += ["", "Not run (the schedule's limits): " + "; ".join(doc["skipped"]) + "."]
+    lines += [""] + [f"* {line}" for line in _balance_lines(doc)]
+    return "\n".join(lines) + "\n"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Measured and theoretical speed-up against M per schedule, and each schedule's measured bubble."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'polytrain[plot]'") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if r["strategy"] == "pipeline"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["microbatches"])
+        ms = [r["microbatches"] for r in mine]
+        left.plot(ms, [r["speedup"] for r in mine], "o-", label=name)
+        right.plot(ms, [statistics.mean(r["rank_bubble"]) for r in mine], "o-", label=name)
+    for chunks, style in ((1, "k--"), (2, "k:")):  # the theory depends on the chunks per rank only
+        mine = sorted({r["microbatches"]: r for r in rows if r["chunks"] == chunks}.values(),
+                      key=lambda r: r["microbatches"])
+        if mine:
+            ms = [r["microbatches"] for r in mine]
+            left.plot(ms, [r["speedup_theoretical"] for r in mine], style, label=f"theoretical, v={chunks}")
+            right.plot(ms, [r["bubble_theoretical"] for r in mine], style, label=f"theoretical, v={chunks}")
+    stages = doc["config"]["stages"]
+    left.axhline(stages, color="grey", lw=0.8)
+    left.set(xscale="log", xlabel="micro-batches M", ylabel="speed-up over single (1 thread)",
+             title=f"pipeline P={stages} vs single, 1 thread per process")
+    right.set(xscale="log", xlabel="micro-batches M", ylabel="bubble: idle / (busy + idle), mean of stages",
+              title="bubble: measured per schedule, theoretical")
+    for ax in (left, right):
+        ax.set_xticks(sorted({r["microbatches"] for r in rows}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
