@@ -53,7 +53,8 @@ def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, cli_env):
     assert lines[2].startswith("  step-00000020.pt") and lines[2].endswith("<- latest")
     assert lines[3] == "step-00000020.pt (the newest good one):"
     assert "  step 20, strategy sync, world size 2" in lines
-    assert "  data position: epoch 0, batch 20 of it (global batch 32); data digits" in lines
+    assert "  data position: epoch 0, batch 20 of it (global batch 32; example 640 of the epoch's 1408); data digits" \
+        in lines
     assert any(line.split() == ["1.weight", "32x64", "float32", "8.0", "KiB"] for line in lines), proc.stdout
     assert any(line.startswith("  optimizer: ") for line in lines)
     assert lines[-1].startswith("  tensors in all: ") and "; file " in lines[-1]

@@ -139,7 +139,7 @@ def _contents(state: dict[str, Any], file_size: int | None) -> list[str]:
     lines = [
         f"step {state.get('step')}, strategy {state.get('strategy', '?')}, world size {state.get('world_size', '?')}",
         f"data position: epoch {position.get('epoch', '?')}, batch {position.get('batch', '?')} of it "
-        f"(global batch {position.get('global_batch', '?')}); data {config.get('data', '?')}",
+        f"(global batch {position.get('global_batch', '?')}{_examples(position)}); data {config.get('data', '?')}",
         f"schedule {state.get('schedule', '?')}; optimizer {config.get('optimizer', '?')}",
         f"model {config.get('model', '?')}{':' + model_args if model_args else ''} "
         f"(fingerprint {fingerprint(signature(model))}): {len(model)} tensors, "
@@ -156,6 +156,13 @@ def _contents(state: dict[str, Any], file_size: int | None) -> list[str]:
             lines.append(f"{key}: {count} tensor(s), {_bytes(_tensor_bytes(state[key]))}")
     lines.append(f"tensors in all: {_bytes(_tensor_bytes(state))}; file {_bytes(file_size or 0)}")
     return lines
+
+
+def _examples(position: dict[str, Any]) -> str:
+    """Where in the epoch's permutation the run was (checkpoints that save it: the resumable position)."""
+    if "examples" not in position:
+        return ""
+    return f"; example {position['examples']} of the epoch's {position.get('epoch_examples', '?')}"
 
 
 def _tensors(value: Any):
