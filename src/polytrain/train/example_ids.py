@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from polytrain.data.batches import Batch, BatchPlan
+from polytrain.data.batches import Batch, BatchPlan, Shard
 from polytrain.distributed.topology import Topology
 
 
@@ -50,9 +50,16 @@ class _Off:
         pass
 
 
-def example_ids(path: str | None, trainers: Topology, slice_index: int, plan: BatchPlan) -> ExampleIds | _Off:
-    """The log for ``--log-example-ids`` (one that does nothing when it is not set)."""
-    return ExampleIds(path, trainers, slice_index, plan) if path else _Off()
+def example_ids(session: Any, trainers: Topology) -> ExampleIds | _Off:
+    """The log for ``--log-example-ids`` of a :class:`~polytrain.train.session.Session` (one that does nothing
+    when it is not set). A rank's slice index is that of the shard it draws: a strategy whose ranks all draw
+    whole global batches and share the work out themselves (async's tickets) draws ``Shard(0, 1)`` on each."""
+    path = session.config.data.log_example_ids
+    if not path:
+        return _Off()
+    drawn = session.step_shards
+    index = drawn.index if isinstance(drawn, Shard) else session.shard.index
+    return ExampleIds(path, trainers, index, session.plan)
 
 
 def merge(noted: list[tuple[int, list[tuple[int, list[int]]]]]) -> list[tuple[int, list[int]]]:

@@ -69,7 +69,7 @@ class Trainer:
         batches = iter(strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step,
                                                 cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
-        ids = example_ids(cfg.data.log_example_ids, self.topology, s.shard.index, s.plan)
+        ids = example_ids(s, self.topology)
         self.guard = DivergenceGuard(self.topology.device)
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
