@@ -5,7 +5,8 @@ One single run writes the canonical checkpoint at step 4 (Adam: moments and a st
 and its own continuation to step 6. Each strategy, in real gloo processes, resumes the step-4 checkpoint,
 reads back what it holds before any step (bit for bit the file's model and optimizer state), trains to
 step 6 and checkpoints: the same tensor names, shapes and dtypes as single's step 6, model and optimizer;
-the strategies that equal single (sync, async with one worker, pipeline, hybrid) hold its values too."""
+the strategies that equal single (sync, async with one worker, pipeline, hybrid) hold its values too. The
+examples of steps 5 and 6 (``--log-example-ids``) are single's."""
 
 import shutil
 
@@ -14,6 +15,7 @@ import torch
 
 import polytrain
 from polytrain.config import make_config
+from polytrain.train import example_ids
 from tests.helpers.resume import assert_same_state, resume_and_read_back
 from tests.helpers.spawn import spawn
 
@@ -36,7 +38,8 @@ def canonical(tmp_path_factory):
     root = tmp_path_factory.mktemp("canonical")
     polytrain.fit(**RUN, strategy="single", steps=4, checkpoint_dir=str(root / "four"))
     shutil.copytree(root / "four", root / "six")
-    polytrain.fit(**RUN, strategy="single", steps=6, checkpoint_dir=str(root / "six"), resume=True)
+    polytrain.fit(**RUN, strategy="single", steps=6, checkpoint_dir=str(root / "six"), resume=True,
+                  log_example_ids=str(root / "six.ids"))
     load = lambda name, step: torch.load(root / name / f"step-{step:08d}.pt", weights_only=True)  # noqa: E731
     return root, load("four", 4), load("six", 6)
 
@@ -68,9 +71,12 @@ def test_resumes_singles_checkpoint_exactly_and_writes_its_format(tmp_path, cano
     directory.mkdir()
     for suffix in (".pt", ".json"):
         shutil.copy(root / "four" / f"step-00000004{suffix}", directory)
-    config = make_config(**{**RUN, **settings}, strategy=strategy, steps=6, checkpoint_dir=str(directory), resume=True)
+    config = make_config(**{**RUN, **settings}, strategy=strategy, steps=6, checkpoint_dir=str(directory), resume=True,
+                         log_example_ids=str(tmp_path / "ids"))
     (held, summary), *_ = spawn(resume_and_read_back, processes, config, timeout=60)
     assert_same_state(held, four)
+    # steps 5 and 6 trained on single's examples, each once, whichever ranks drew them
+    assert example_ids.read(tmp_path / "ids") == example_ids.read(root / "six.ids")
     written = torch.load(directory / "step-00000006.pt", weights_only=True)
     assert written["strategy"] == strategy and summary["steps"] == 6
     assert _layout(written) == _layout(six)
