@@ -72,6 +72,10 @@ def test_epochs_end_at_the_end_of_the_last_epoch_steps_stay_steps():
 def test_a_checkpoint_without_positions_in_examples_resumes_from_its_batch():
     old = {"data_position": {"epoch": 1, "batch": 3, "global_batch": 16}}  # before "examples" were saved
     assert DataPosition.saved(old, N) == DataPosition(1, 48, 192, 16)
+    plain = BatchPlan(N, 16, seed=4)  # 12 steps an epoch: the checkpoint was made at step 15
+    assert reshard.continue_plan(plain, DataPosition.saved(old, N), 15) is plain  # at its batch: the plan itself
+    halved = reshard.continue_plan(BatchPlan(N, 8, seed=4), DataPosition.saved(old, N), 15)
+    assert torch.equal(halved.global_indices(15), plain.global_indices(15)[:8])  # at another: from example 48
 
 
 def test_a_position_that_does_not_fit_the_data_is_one_error():
