@@ -21,7 +21,7 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     :class:`DataBundle`, which are pickled to every worker process. ``strategy`` is a registered name, or a
     :class:`Strategy` subclass defined at module level (every worker imports it by name).
     """
-    from polytrain.train.run import run
+    from polytrain.train.restart import run  # the run, restarted after a failure as --max-restarts says
 
     chosen = settings.get("strategy")
     if isinstance(chosen, type) and issubclass(chosen, Strategy):  # a class: named so workers import it

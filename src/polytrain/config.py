@@ -23,6 +23,7 @@ import polytrain.train.checkpoint  # noqa: F401
 import polytrain.train.config  # noqa: F401
 import polytrain.train.loggers  # noqa: F401
 import polytrain.train.optim  # noqa: F401
+import polytrain.train.restart  # noqa: F401
 import polytrain.train.straggler  # noqa: F401
 from polytrain.errors import ConfigError
 from polytrain.options import OptionInfo, convert, registered_sections, section_options

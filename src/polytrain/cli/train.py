@@ -50,7 +50,7 @@ def _argument_kwargs(info: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polytrain.train.run import run as run_training
+    from polytrain.train.restart import run as run_training  # restarted after a failure (--max-restarts)
 
     given = vars(args)
     file_values = read_toml(given["config"]) if "config" in given else {}
@@ -76,4 +76,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['workers']} worker(s)\n"
             f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
             + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else "") + "\n"
-            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}")
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + _restarts_line(summary))
+
+
+def _restarts_line(summary: dict[str, Any]) -> str:
+    causes = summary.get("restart_causes") or []
+    if not summary.get("restarts"):
+        return ""
+    listed = "; ".join(f"{c['cause']} (after {c['after_s']:.0f} s)" for c in causes)
+    return f"\n  restarts: {summary['restarts']}" + (f" ({listed})" if listed else "")

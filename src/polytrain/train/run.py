@@ -82,6 +82,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory, rank_names=names,
+        heartbeat_timeout=config.launch.heartbeat_timeout,
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None

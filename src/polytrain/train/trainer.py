@@ -32,6 +32,7 @@ from polytrain.train.checkpoint import atomic_save
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
+from polytrain.train.restart import InjectedKill, TimedCheckpoints, agree_with_rank0
 from polytrain.train.straggler import StragglerInjector
 
 
@@ -46,6 +47,8 @@ class Trainer:
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
         self.topology = self.strategy.trainers
         self.straggler = StragglerInjector(config.straggler.straggler, self.topology.rank, config.train.seed)
+        self.timed = TimedCheckpoints(config.restart.checkpoint_every_seconds, self.topology.is_main)
+        self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
 
     def fit(self) -> dict[str, Any]:
         if self.strategy.role != "trainer":
@@ -93,6 +96,7 @@ class Trainer:
             totals.add(result.examples, elapsed, waited, result.loss)
             run_log.advance()
             step = done
+            self.kill.after_step(done)
             if done % cfg.log.log_every == 0 or done == s.total_steps:
                 record = self._step_record(done, lr, meter)
                 run_log.step(record)
@@ -104,8 +108,7 @@ class Trainer:
             if s.data.test is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 \
                     and done != s.total_steps:
                 last_eval = self._evaluate(run_log, done)
-            if s.checkpointer and cfg.checkpoint.checkpoint_every and done % cfg.checkpoint.checkpoint_every == 0 \
-                    and done != s.total_steps:
+            if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
                 self._checkpoint(done)
         if s.data.test is not None:
             last_eval = self._evaluate(run_log, step)
@@ -113,6 +116,14 @@ class Trainer:
             self._checkpoint(step)
         self._save_model()
         return self._summary(step, totals, last_interval_loss, last_eval)
+
+    def _checkpoint_due(self, done: int) -> bool:
+        """Every --checkpoint-every steps, or at a log point once --checkpoint-every-seconds have passed
+        (rank 0's clock; agreed by every trainer there, so they all save the same step)."""
+        every = self.config.checkpoint.checkpoint_every
+        if every and done % every == 0:
+            return True
+        return done % self.config.log.log_every == 0 and self.timed.due(agree_with_rank0(self.topology))
 
     def _check_finite(self) -> None:
         """Stop at the first non-finite loss any trainer rank saw (a collective: every rank calls it)."""
@@ -178,6 +189,7 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         self._check_finite()
+        self.timed.reset()
         s = self.s
         state = s.state_dict(step)  # every rank: the strategy gathers the model, the session the RNG states
         if self.topology.is_main:

@@ -1,0 +1,85 @@
+"""--max-restarts: a worker SIGKILLed at a random step, the job restarted from its latest checkpoint, and the
+final model bit for bit the uninterrupted run's (CPU, same world size); --checkpoint-every-seconds; the
+settings a restart cannot work with."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.errors import ConfigError, WorkerError
+from polytrain.train.restart import KILL_ENV
+
+STEPS = 20
+BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=32, steps=STEPS, progress="off", log_every=2,
+            eval_every=0, checkpoint_every=4, lr=0.05)
+STRATEGIES = {
+    "sync": dict(strategy="sync", workers=2),
+    # one worker: with two, the server applies their pushes in arrival order, so even two uninterrupted runs
+    # differ in the last bits (rank 0 is the worker, rank 1 the server)
+    "async": dict(strategy="async", workers=1, servers=1, staleness=0),
+    # checkpoints at sync points (every 4 steps, H = 2); plain SGD: a checkpoint keeps rank 0's inner optimizer
+    # state only, so inner momentum would differ after a resume
+    "local-sgd": dict(strategy="local-sgd", workers=2, sync_every=2, momentum=0.0),
+    "pipeline": dict(strategy="pipeline", stages=2, microbatches=2),
+}
+
+
+def _fit(tmp_path, name, settings, **more):
+    model = tmp_path / f"{name}.pt"
+    summary = polytrain.fit(checkpoint_dir=str(tmp_path / f"{name}-ckpt"), save_model=str(model),
+                            metrics_file=str(tmp_path / f"{name}.jsonl"), **{**BASE, **settings, **more})
+    return summary, torch.load(model, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterrupted(tmp_path, monkeypatch, name):
+    settings = STRATEGIES[name]
+    step = random.Random().randint(3, STEPS - 2)  # any step: before the first checkpoint too
+    rank = 0 if name == "async" else 1  # a trainer rank (async's rank 1 is its server)
+    _, whole = _fit(tmp_path, "whole", settings)
+    monkeypatch.setenv(KILL_ENV, f"rank={rank},steps={step}")
+    summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1)
+    assert summary["steps"] == STEPS and summary["restarts"] == 1, f"killed after step {step}"
+    (cause,) = summary["restart_causes"]
+    assert cause["rank"] == rank and f"rank {rank} was killed by signal SIGKILL" in cause["cause"]
+    resumed = (step - 1) // 4 * 4  # the kill comes before step's own checkpoint; none before step 4: from 0
+    assert cause["resume_from"] == (f"step-{resumed:08d}.pt" if resumed else None)
+    assert whole.keys() == restarted.keys()
+    assert all(torch.equal(whole[k], restarted[k]) for k in whole), f"{name}: killed after step {step}"
+    with open(tmp_path / "restarted.jsonl") as fh:
+        records = [json.loads(line) for line in fh]
+    assert [r["event"] for r in records].count("restart") == 1
+
+
+def _no_workers_left(ctx):
+    os._exit(9)  # every attempt dies: the restarts run out
+
+
+def test_restarts_run_out_and_the_last_failure_is_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv(KILL_ENV, "rank=0,steps=3+3")
+    with pytest.raises(WorkerError, match=r"worker rank 0 was killed by signal SIGKILL"):
+        polytrain.fit(checkpoint_dir=str(tmp_path / "c"), max_restarts=1, **BASE, **STRATEGIES["sync"])
+
+
+def test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank(tmp_path):
+    summary, _ = _fit(tmp_path, "timed", STRATEGIES["sync"], checkpoint_every=0, checkpoint_every_seconds=0.001,
+                      keep_checkpoints=100)
+    saved = sorted(p.name for p in (tmp_path / "timed-ckpt").glob("step-*.pt"))
+    assert saved == [f"step-{s:08d}.pt" for s in range(2, STEPS + 1, 2)]  # every log point, and the end
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_restarts=2), r"--max-restarts 2 needs --checkpoint-dir DIR"),
+    (dict(checkpoint_every_seconds=60), r"--checkpoint-every-seconds needs --checkpoint-dir DIR"),
+    (dict(max_restarts=1, checkpoint_dir="CKPT", strategy="single"),
+     r"--max-restarts: --strategy single with 1 process runs inside this one, which cannot restart itself"),
+])
+def test_settings_a_restart_cannot_work_with_are_one_line(tmp_path, settings, message):
+    if settings.get("checkpoint_dir") == "CKPT":
+        settings = dict(settings, checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=message):
+        polytrain.fit(**dict(BASE, checkpoint_every=0, **settings))
