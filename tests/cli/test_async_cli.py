@@ -20,7 +20,8 @@ def test_bad_async_settings_are_one_line_before_anything_starts(cli_env, args, m
 def test_help_says_what_the_batch_size_is_for_async(cli_env):
     proc = polytrain("--help", env=cli_env)
     text = " ".join(proc.stdout.split())
-    assert "--batch-size counts one step of every worker: each worker pushes the gradient of batch/N examples" in text
+    assert ("--batch-size counts one step: N slices of batch/N examples, each computed by whichever worker is free "
+            "and applied alone, scaled by 1/N; --steps counts such steps over all workers") in text
     assert "--staleness K" in text and "--servers S" in text
 
 
@@ -31,6 +32,6 @@ def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
     assert ("async: 2 worker(s) (ranks 0-1) + 2 parameter server(s) (ranks 2-3), staleness bound 1" in out)
-    assert "--batch-size 32 counts one step of every worker: each worker pushes the gradient of its 16 examples, " \
-           "applied alone at lr/2" in out
+    assert ("--batch-size 32 counts one step: 2 slices of 16 examples, handed to whichever worker is free, each "
+            "applied alone at lr/2") in out
     assert "done: 12 steps" in out and "with async on 2 worker(s)" in out

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from polytrain.errors import CommunicationError
 
-HEADER_LEN = 5  # int64 values: [kind, sender, a, b, c]; the meaning of a, b and c is the protocol's
+HEADER_LEN = 6  # int64 values: [kind, sender, a, b, c, d]; the meaning of a, b, c and d is the protocol's
 Message = tuple[torch.Tensor, int, int]  # (tensor, peer rank in the group, tag)
 
 
@@ -82,8 +82,8 @@ class Channel:
 
     # -- headers: small int64 tensors that say what follows ---------------------------------------------
 
-    def send_header(self, dst: int, tag: int, kind: int, a: int = 0, b: int = 0, c: int = 0) -> None:
-        self.send(header(kind, self.rank, a, b, c), dst, tag)
+    def send_header(self, dst: int, tag: int, kind: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> None:
+        self.send(header(kind, self.rank, a, b, c, d), dst, tag)
 
     def recv_header(self, src: int, tag: int) -> list[int]:
         return self.recv(torch.empty(HEADER_LEN, dtype=torch.int64), src, tag).tolist()
@@ -111,8 +111,8 @@ class Channel:
         return f"{self.me}: {doing} failed: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
-def header(kind: int, sender: int, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, sender, a, b, c], dtype=torch.int64)
+def header(kind: int, sender: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, sender, a, b, c, d], dtype=torch.int64)
 
 
 def float_bits(value: float) -> int:

@@ -97,3 +97,16 @@ def test_async_learns_the_digits(tmp_path, workers, servers):
     tags = EventAccumulator(str(tmp_path / "tb")).Reload().Tags()
     assert "summary/staleness_max" in tags["scalars"] and "summary/staleness" in tags["histograms"]
     assert f"strategy/rank{workers - 1}_staleness_mean" in tags["scalars"]
+
+
+def test_a_slow_worker_computes_fewer_slices_and_every_slice_is_applied_once(tmp_path):
+    """Slices go to whichever worker asks: with rank 1 made 20x slower, rank 0 computes most of them, and
+    the servers still apply each of the 2 x 30 slices exactly once."""
+    summary = polytrain.fit(**{**COMMON, "eval_every": 0}, strategy="async", workers=2, steps=30,
+                            straggler=["1:20"], log_every=10, metrics_file=str(tmp_path / "m.jsonl"))
+    fast, slow = summary["slices_per_worker"]
+    assert fast + slow == 60 and summary["gradients_applied"] == 60
+    assert summary["duplicate_pushes_ignored"] == 0
+    assert fast > slow
+    per_rank = [sum(s["rank_batch"][r] for s in _events(tmp_path / "m.jsonl", "step")) for r in (0, 1)]
+    assert per_rank[0] > per_rank[1]  # the step records show the same split

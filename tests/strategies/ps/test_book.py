@@ -9,12 +9,12 @@ from polytrain.strategies.ps.staleness import StalenessPolicy
 
 def test_duplicate_push_is_ignored_and_recorded():
     book = ServerBook([0, 1], StalenessPolicy(None))
-    assert book.admit(0, 0)
+    assert book.admit(0, 0) == 0  # worker 0's fixed slice of step 0: ticket 0
     book.applied(0, 0, read_version=0)
-    assert not book.admit(0, 0)
+    assert book.admit(0, 0) is None
     assert book.duplicates == [(0, 0)]
     assert book.updates == 1
-    assert book.summary()["records"] == [(0, 0, 0, 0, 0)]
+    assert book.summary()["records"] == [(0, 0, 0, 0, 0, 0)]  # worker, clock, ticket, read, applied, missed
 
 
 def test_a_missing_clock_is_an_error_naming_the_worker():
@@ -36,14 +36,32 @@ def test_bound_zero_defers_a_pull_until_every_worker_finished():
     assert book.version() == 1
 
 
-def test_a_done_worker_no_longer_holds_the_others_back():
+def test_tickets_go_to_whoever_asks_and_a_step_finishes_when_all_its_slices_are_applied():
     book = ServerBook([0, 1], StalenessPolicy(0))
-    book.admit(0, 0), book.applied(0, 0, 0)
-    assert not book.pull(0, 1)
+    assert book.take_ticket(0, 0) == 0 and book.pull(0, 0)
+    read = book.replied(0)
+    book.applied(0, 0, read, book.admit(0, 0, 0))
+    assert book.take_ticket(0, 0) == 1  # worker 0 is fast: it takes step 0's second slice too
+    assert book.pull(0, 0)
+    book.applied(0, 1, book.replied(0), book.admit(0, 1, 1))
+    assert book.take_ticket(0, 0) is None and book.take_ticket(1, 0) is None  # step 0: nothing left
+    assert book.version() == 1 and book.caught_up(1) and not book.caught_up(2)
+    assert book.take_ticket(1, 1) == 2 and book.take_ticket(0, 1) == 3
     book.finish(1)
-    assert book.ready() == [(0, 1)]
     with pytest.raises(CommunicationError, match="worker rank 1 sent a message after saying it was done"):
         book.pull(1, 1)
+
+
+def test_slices_applied_out_of_order_finish_a_step_once_the_gap_closes():
+    book = ServerBook([0, 1], StalenessPolicy(None))
+    book.start_at(5)  # a resumed run: tickets from 10, every worker's clocks from 5
+    assert [book.take_ticket(w, 5) for w in (0, 1)] == [10, 11]
+    book.applied(1, 5, 5, book.admit(1, 5, 11))
+    assert book.version() == 5  # slice 10 is still out
+    book.applied(0, 5, 5, book.admit(0, 5, 10))
+    assert book.version() == 6
+    with pytest.raises(CommunicationError, match="worker rank 0 pushed slice 10 .step 5., which is already applied"):
+        book.admit(0, 6, 10)
 
 
 @pytest.mark.parametrize("bound", [0, 1, 3])
@@ -58,7 +76,7 @@ def test_random_schedules_keep_staleness_within_bound_and_apply_each_step_once(b
         if clock[w] == steps:
             book.finish(w)
         elif w in read:
-            assert book.admit(w, clock[w])
+            assert book.admit(w, clock[w]) == clock[w] * 3 + w  # the worker's fixed slice
             book.applied(w, clock[w], read.pop(w))
             clock[w] += 1
         elif book.pull(w, clock[w]):

@@ -80,11 +80,13 @@ def test_a_checkpoint_missing_some_parameters_state_is_refused():
 
 
 def test_staleness_of_a_gradient_is_the_most_any_server_saw():
-    server0 = torch.tensor([[0, 0, 0, 0, 0], [1, 0, 0, 1, 1], [0, 1, 1, 1, 0]])
-    server1 = torch.tensor([[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [0, 1, 0, 2, 1]])
+    # rows: worker, clock, ticket, read version, applied version, missed
+    server0 = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 1, 1], [0, 1, 2, 1, 1, 0]])
+    server1 = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [0, 1, 2, 0, 2, 1]])
     out = staleness_summary([server0, server1], duplicates=1, bound=None)
     assert out["staleness_histogram"] == {"0": 1, "1": 1, "2": 1}
     assert out["staleness_max"] == 2 and out["staleness_mean"] == 1.0 and out["gradients_applied"] == 3
+    assert out["slices_per_worker"] == [2, 1]
     assert out["duplicate_pushes_ignored"] == 1
     window = StalenessWindow()
     for value in (-1, 0, 2, 1):
@@ -99,9 +101,10 @@ def test_a_read_waits_for_every_earlier_step_and_a_resume_starts_every_clock_lat
     assert not book.caught_up(1)
     book.applied(1, 0, 0)
     assert book.caught_up(1) and not book.caught_up(2)
-    book.finish(1)
     book.applied(0, 1, 1)
-    assert book.caught_up(2)  # a worker that is done is waited for no more
+    assert not book.caught_up(2)  # worker 1's slice of step 1 is still out
+    book.applied(1, 1, 1)
+    assert book.caught_up(2)
     resumed = ServerBook([0, 1], StalenessPolicy(0))
     resumed.start_at(8)
-    assert resumed.version() == 8 and resumed.caught_up(8) and resumed.admit(0, 8) and not resumed.admit(0, 7)
+    assert resumed.version() == 8 and resumed.caught_up(8) and resumed.admit(0, 8) == 16 and resumed.admit(0, 7) is None

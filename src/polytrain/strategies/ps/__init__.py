@@ -7,7 +7,7 @@ from polytrain.strategies.ps.client import ParameterClient
 from polytrain.strategies.ps.layout import Layout
 from polytrain.strategies.ps.partition import PartitionPlan, Piece, TensorSpec
 from polytrain.strategies.ps.server import ParameterServer
-from polytrain.strategies.ps.staleness import StalenessPolicy, global_clock
+from polytrain.strategies.ps.staleness import StalenessPolicy
 
 __all__ = ["Layout", "ParameterClient", "ParameterServer", "PartitionPlan", "Piece", "ServerBook",
-           "StalenessPolicy", "TensorSpec", "UpdateRecord", "global_clock"]
+           "StalenessPolicy", "TensorSpec", "UpdateRecord"]

@@ -1,8 +1,17 @@
-"""A parameter server's bookkeeping, without any communication: clocks, versions, deferred pulls, records.
+"""A parameter server's bookkeeping, without any communication: tickets, clocks, versions, deferred pulls,
+records.
 
-The server loop feeds it what arrives (a pull, a push, a worker's "done") and does what it answers, so
-every rule here (exactly-once application, the staleness bound, deferring a pull) is unit-tested without
-processes.
+Work is handed out as *tickets*: global step ``s`` is cut into one slice per worker, tickets ``s*N`` ..
+``s*N + N - 1`` (N workers). Server 0 hands the next ticket to whichever worker asks (a fast worker takes
+more slices than a slow one; no slice is computed twice or skipped); every server records which tickets it
+has applied. A worker that computes a fixed slice (slice ``w`` of every step, the first protocol) pushes
+without a ticket and its ticket is ``clock * N + w``. Each worker's pushes also carry its own *clock* (its
+push count), so a retried push is recognised and applied once: exactly once per (worker, clock) and per
+ticket.
+
+The server loop feeds this book what arrives (a ticket request, a pull, a push, a worker's "done") and does
+what it answers, so every rule here (exactly-once application, the staleness bound, deferring a pull) is
+unit-tested without processes.
 """
 
 from __future__ import annotations
@@ -12,16 +21,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from polytrain.errors import CommunicationError
-from polytrain.strategies.ps.staleness import StalenessPolicy, global_clock
+from polytrain.strategies.ps.staleness import StalenessPolicy
 
 
 @dataclass(frozen=True)
 class UpdateRecord:
-    """One applied gradient. ``staleness`` is in global clocks (bounded by K); ``missed`` counts the updates
-    of other workers this server applied between the worker's read and this update."""
+    """One applied gradient. ``staleness`` is in steps (versions; bounded by K); ``missed`` counts the
+    updates of other workers this server applied between the worker's read and this update."""
 
     worker: int
     clock: int
+    ticket: int
     read_version: int
     applied_version: int
     missed: int
@@ -31,17 +41,54 @@ class UpdateRecord:
         return self.applied_version - self.read_version
 
 
+class Tickets:
+    """Which slices were handed out and which applied: the first ``handed`` tickets went out; every ticket
+    below ``finished`` is applied, and ``above`` holds those applied past it."""
+
+    def __init__(self, per_step: int):
+        self.per_step = per_step
+        self.handed = self.finished = 0
+        self.above: set[int] = set()
+
+    def start_at(self, step: int) -> None:
+        self.handed = self.finished = step * self.per_step
+        self.above.clear()
+
+    def take(self, step: int) -> int | None:
+        """The next ticket if it belongs to a step ``<= step`` (None: every one of those is taken)."""
+        if self.handed >= (step + 1) * self.per_step:
+            return None
+        self.handed += 1
+        return self.handed - 1
+
+    def applied(self, ticket: int) -> bool:
+        return ticket < self.finished or ticket in self.above
+
+    def apply(self, ticket: int) -> None:
+        self.above.add(ticket)
+        while self.finished in self.above:
+            self.above.discard(self.finished)
+            self.finished += 1
+
+    @property
+    def version(self) -> int:
+        """Steps whose every slice is applied (from the start of training)."""
+        return self.finished // self.per_step
+
+
 class ServerBook:
     def __init__(self, workers: Sequence[int], policy: StalenessPolicy,
                  name: Callable[[int], str] = lambda r: f"worker rank {r}"):
         self.policy = policy
         self.name = name
-        self.finished = {w: -1 for w in workers}
+        self.slot = {w: i for i, w in enumerate(workers)}  # a worker's fixed slice when it takes no tickets
+        self.last_clock = {w: -1 for w in workers}
+        self.tickets = Tickets(len(self.slot))
         self.done: set[int] = set()
         self.updates = 0
         self.records: list[UpdateRecord] = []
         self.duplicates: list[tuple[int, int]] = []
-        self.pending: dict[int, int] = {}  # worker -> clock of its deferred pull
+        self.pending: dict[int, int] = {}  # worker -> step of its deferred pull
         self._read_updates = {w: 0 for w in workers}
         #: per worker, the staleness of its last applied gradient (told to it with its next pull's answer)
         self.last_staleness: dict[int, int] = {}
@@ -50,7 +97,7 @@ class ServerBook:
 
     @property
     def active(self) -> list[int]:
-        return [w for w in self.finished if w not in self.done]
+        return [w for w in self.slot if w not in self.done]
 
     def silent(self) -> list[int]:
         """Workers the server is waiting to hear from: still training and not waiting for a pull's answer
@@ -59,33 +106,39 @@ class ServerBook:
 
     @property
     def all_done(self) -> bool:
-        return len(self.done) == len(self.finished)
+        return len(self.done) == len(self.slot)
 
     def version(self) -> int:
-        """The global clock over the workers still training (over all of them once every one is done)."""
-        active = self.active or list(self.finished)
-        return global_clock([self.finished[w] for w in active])
+        """Steps whose every slice is applied: the version of the values."""
+        return self.tickets.version
 
-    def caught_up(self, clock: int) -> bool:
-        """Whether every worker still training has finished every step before ``clock`` (a read "at clock
-        ``c``" sees exactly the updates of steps 0..c-1, whatever the staleness bound)."""
-        return all(self.finished[w] >= clock - 1 for w in self.active)
+    def caught_up(self, step: int) -> bool:
+        """Whether every slice of the steps before ``step`` is applied (a read "at step ``s``" sees exactly
+        the updates of steps 0..s-1, whatever the staleness bound and whoever computed them)."""
+        return self.tickets.finished >= step * self.tickets.per_step
 
     # -- events -----------------------------------------------------------------------------------------
 
-    def start_at(self, clock: int) -> None:
-        """Every worker's first step is ``clock`` (a resumed run): steps before it count as finished."""
-        self.finished = {w: clock - 1 for w in self.finished}
+    def start_at(self, step: int) -> None:
+        """Training starts at ``step`` (a resumed run): earlier steps count as applied, and every worker's
+        first push is clock ``step``."""
+        self.last_clock = {w: step - 1 for w in self.last_clock}
+        self.tickets.start_at(step)
 
-    def pull(self, worker: int, clock: int) -> bool:
-        """A worker asks for the parameters of ``clock``: True = answer now, False = deferred."""
+    def take_ticket(self, worker: int, step: int) -> int | None:
+        """The next slice for ``worker``, which is at ``step`` (None: every slice up to ``step`` is taken)."""
+        self.known(worker)
+        return self.tickets.take(step)
+
+    def pull(self, worker: int, step: int) -> bool:
+        """A worker asks for the values to compute a slice of ``step``: True = answer now, False = deferred."""
         self.known(worker)
         if worker in self.pending:
-            raise CommunicationError(f"{self.name(worker)} asked for step {clock} while its pull for step "
+            raise CommunicationError(f"{self.name(worker)} asked for step {step} while its pull for step "
                                      f"{self.pending[worker]} was still waiting")
-        if self.policy.may_start(clock, [self.finished[w] for w in self.active]):
+        if self.policy.may_start(step, self.version()):
             return True
-        self.pending[worker] = clock
+        self.pending[worker] = step
         return False
 
     def replied(self, worker: int) -> int:
@@ -93,24 +146,32 @@ class ServerBook:
         self._read_updates[worker] = self.updates
         return self.version()
 
-    def admit(self, worker: int, clock: int) -> bool:
-        """Whether a pushed gradient is to be applied (False: a duplicate, recorded and ignored)."""
+    def admit(self, worker: int, clock: int, ticket: int = -1) -> int | None:
+        """The ticket of a pushed gradient, to be applied; None: a duplicate (recorded and ignored)."""
         self.known(worker)
-        last = self.finished[worker]
+        last = self.last_clock[worker]
         if clock <= last:
             self.duplicates.append((worker, clock))
-            return False
+            return None
         if clock != last + 1:
             raise CommunicationError(f"{self.name(worker)} pushed step {clock} after step {last}: "
                                      f"step(s) {last + 1}..{clock - 1} never arrived")
-        return True
+        if ticket < 0:
+            ticket = clock * self.tickets.per_step + self.slot[worker]
+        if self.tickets.applied(ticket):
+            raise CommunicationError(f"{self.name(worker)} pushed slice {ticket} (step "
+                                     f"{ticket // self.tickets.per_step}), which is already applied")
+        return ticket
 
-    def applied(self, worker: int, clock: int, read_version: int) -> UpdateRecord:
-        """Record an applied gradient (after :meth:`admit` said yes) and advance the clocks."""
+    def applied(self, worker: int, clock: int, read_version: int, ticket: int = -1) -> UpdateRecord:
+        """Record an applied gradient (after :meth:`admit` gave its ticket) and advance the version."""
+        if ticket < 0:
+            ticket = clock * self.tickets.per_step + self.slot[worker]
         missed = self.updates - self._read_updates[worker]
-        record = UpdateRecord(worker, clock, read_version, self.version(), missed)  # the version it lands on
+        record = UpdateRecord(worker, clock, ticket, read_version, self.version(), missed)  # the version it lands on
         self.updates += 1
-        self.finished[worker] = clock
+        self.last_clock[worker] = clock
+        self.tickets.apply(ticket)
         self.records.append(record)
         self.last_staleness[worker] = record.staleness
         return record
@@ -121,20 +182,23 @@ class ServerBook:
         self.pending.pop(worker, None)
 
     def ready(self) -> list[tuple[int, int]]:
-        """Deferred pulls the policy now allows, removed from the waiting list: (worker, clock)."""
-        finished = [self.finished[w] for w in self.active]
-        out = [(w, c) for w, c in self.pending.items() if self.policy.may_start(c, finished)]
+        """Deferred pulls the policy now allows, removed from the waiting list: (worker, step)."""
+        out = [(w, s) for w, s in self.pending.items() if self.policy.may_start(s, self.version())]
         for w, _ in out:
             del self.pending[w]
         return out
 
     def known(self, worker: int) -> None:
-        if worker not in self.finished:
+        if worker not in self.slot:
             raise CommunicationError(f"a message claims to come from rank {worker}, which is not a worker")
         if worker in self.done:
             raise CommunicationError(f"{self.name(worker)} sent a message after saying it was done")
 
     # -- summary ----------------------------------------------------------------------------------------
+
+    def rows(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The records as rows ``[worker, clock, ticket, read version, applied version, missed]``."""
+        return [(r.worker, r.clock, r.ticket, r.read_version, r.applied_version, r.missed) for r in self.records]
 
     def summary(self) -> dict[str, Any]:
         staleness = [r.staleness for r in self.records]
@@ -145,5 +209,5 @@ class ServerBook:
             "mean_staleness": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_histogram": dict(sorted(Counter(staleness).items())),
             "max_missed": max((r.missed for r in self.records), default=0),
-            "records": [(r.worker, r.clock, r.read_version, r.applied_version, r.missed) for r in self.records],
+            "records": self.rows(),
         }

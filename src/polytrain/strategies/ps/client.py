@@ -14,8 +14,8 @@ from torch import nn
 
 from polytrain.distributed.p2p import HEADER_LEN, Channel, float_bits, header
 from polytrain.errors import CommunicationError
-from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, REPLY, STATE, STATS, TAG_REPLY,
-                                            TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, Layout)
+from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE, STATS,
+                                            TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET, Layout)
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.state import StateLayout
 
@@ -39,7 +39,7 @@ class ParameterClient:
     def send_initial(self, start_clock: int = 0, state: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
         """First worker only, before anyone's first pull: the model's values become the servers' values, and
         ``state`` (each server's optimizer state, as :meth:`StateLayout.from_single` cuts it) their optimizer
-        state; every worker's first step is ``start_clock``."""
+        state; training starts at step ``start_clock`` (every worker's first push is clock ``start_clock``)."""
         me, sends = self.channel.rank, []
         values = self._values(self.params)
         for s, rank in enumerate(self.layout.server_ranks):
@@ -48,25 +48,49 @@ class ParameterClient:
             sends += [(t, rank, TAG_REQUEST_DATA) for t in parts if t.numel()]
         self._exchange(sends=sends)
 
-    def pull(self, clock: int) -> list[int]:
-        """Wait until every server lets this worker start ``clock``; load the values into the model.
-        Returns each server's version (global clock) of the values."""
-        return self._ask(PULL, clock)
+    def next_slice(self, step: int, done: tuple[int, float | None, int] | None = None) -> int | None:
+        """Push the gradient of the slice just computed (``done``: its clock, lr and ticket), take the next
+        slice of a step ``<= step`` from server 0 and pull the values to compute it, all in one round trip
+        (and one more to the other servers, if any). Returns the slice's ticket (global step ``t // N``, slice
+        ``t % N``), or None when every slice up to ``step`` is taken (then nothing is loaded)."""
+        first = self.layout.server_ranks[0]
+        sends = self._push_messages(*done) if done is not None else []
+        sends.append((header(TICKET, self.channel.rank, step), first, TAG_REQUEST))
+        head = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._exchange(sends=sends, recvs=[(head, first, TAG_REPLY)])
+        _, version, updates, stale, ticket = self._check_reply(head, first)
+        if ticket < 0:
+            return None
+        # the values follow the header; a deferred answer (staleness bound) comes whole, later
+        self._exchange(recvs=[(self.buffers[0], first, TAG_REPLY_DATA)] if self.buffers[0].numel() else [])
+        self.versions[0], self.updates[0] = version, updates
+        self.plan.unflatten(self.buffers[0], 0, self.params)
+        stales = [stale]
+        if self.layout.servers > 1:
+            self._ask(PULL, step, self.layout.server_ranks[1:])
+            stales.append(self.last_staleness)
+        self.last_staleness = max(stales)
+        return ticket
 
-    def push(self, clock: int, lr: float | None = None) -> None:
-        """Send this worker's gradients of step ``clock`` (missing gradients count as zero), to be applied at
-        learning rate ``lr`` (None: the servers' optimizer's own)."""
-        grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        self._send(PUSH, self._values(grads), clock, float_bits(math.nan if lr is None else lr))
+    def pull(self, step: int) -> list[int]:
+        """Wait until every server lets this worker start a slice of ``step``; load the values into the
+        model. Returns each server's version (steps applied) of the values."""
+        return self._ask(PULL, step)
 
-    def read(self, clock: int = 0) -> list[int]:
-        """The servers' values into the model once every worker has finished the steps before ``clock``
-        (0: at once, whatever the clocks), for saving or evaluating."""
-        return self._ask(READ, clock)
+    def push(self, clock: int, lr: float | None = None, ticket: int = -1) -> None:
+        """Send this worker's gradients of its push number ``clock`` (missing gradients count as zero), for
+        slice ``ticket`` (-1: the worker's fixed slice of step ``clock``), to be applied at learning rate ``lr``
+        (None: the servers' optimizer's own)."""
+        self._exchange(sends=self._push_messages(clock, lr, ticket))
 
-    def optimizer_state(self, clock: int, layout: StateLayout) -> list[list[torch.Tensor] | None]:
-        """Each server's optimizer state (None: none yet) once every worker finished the steps before ``clock``."""
-        heads = self._post_request(STATE, clock)
+    def read(self, step: int = 0) -> list[int]:
+        """The servers' values into the model once every slice of the steps before ``step`` is applied
+        (0: at once), for saving or evaluating."""
+        return self._ask(READ, step)
+
+    def optimizer_state(self, step: int, layout: StateLayout) -> list[list[torch.Tensor] | None]:
+        """Each server's optimizer state (None: none yet) once every slice of the steps before ``step`` is applied."""
+        heads = self._post_request(STATE, step)
         out: list[list[torch.Tensor] | None] = []
         for s, rank in enumerate(self.layout.server_ranks):
             if not self._check_reply(heads[s], rank)[3]:
@@ -78,14 +102,14 @@ class ParameterClient:
             out.append(flat)
         return out
 
-    def records(self, clock: int) -> tuple[list[torch.Tensor], int]:
-        """Every server's update records (rows ``[worker, clock, read version, applied version, missed]``)
-        and the number of duplicate pushes they ignored, once every worker finished the steps before ``clock``."""
-        heads = self._post_request(STATS, clock)
+    def records(self, step: int) -> tuple[list[torch.Tensor], int]:
+        """Every server's update records (rows ``[worker, clock, ticket, read version, applied version,
+        missed]``) and the number of duplicate pushes they ignored, once the steps before ``step`` are applied."""
+        heads = self._post_request(STATS, step)
         rows, duplicates = [], 0
         for s, rank in enumerate(self.layout.server_ranks):
             count, dup = self._check_reply(heads[s], rank)[1:3]
-            rows.append(torch.empty(count, 5, dtype=torch.int64))
+            rows.append(torch.empty(count, RECORD_WIDTH, dtype=torch.int64))
             if count:
                 self._exchange(recvs=[(rows[-1], rank, TAG_REPLY_DATA)])
             duplicates += dup
@@ -101,29 +125,40 @@ class ParameterClient:
         cpu = {name: t.detach().to("cpu") for name, t in tensors.items()}
         return [self.plan.flatten(cpu, s, out=self.buffers[s]) for s in range(self.plan.servers)]
 
-    def _send(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0, extra: int = 0) -> None:
+    def _push_messages(self, clock: int, lr: float | None, ticket: int) -> list:
+        grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
+        return self._messages(PUSH, self._values(grads), clock, float_bits(math.nan if lr is None else lr), ticket)
+
+    def _send(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0) -> None:
         """A header (and values) to every server, all posted at once."""
+        self._exchange(sends=self._messages(kind, values, clock))
+
+    def _messages(self, kind: int, values: list[torch.Tensor] | None, clock: int = 0, extra: int = 0,
+                  ticket: int = -1) -> list:
         me = self.channel.rank
         sends = []
         for s, rank in enumerate(self.layout.server_ranks):
-            sends.append((header(kind, me, clock, self.versions[s], extra), rank, TAG_REQUEST))
+            sends.append((header(kind, me, clock, self.versions[s], extra, ticket), rank, TAG_REQUEST))
             if values is not None and values[s].numel():
                 sends.append((values[s], rank, TAG_REQUEST_DATA))
-        self._exchange(sends=sends)
+        return sends
 
-    def _ask(self, kind: int, clock: int) -> list[int]:
-        """Post every server's answer's receives first, then ask: no server ever waits for us to listen."""
-        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in self.layout.server_ranks]
+    def _ask(self, kind: int, clock: int, ranks: Sequence[int] | None = None) -> list[int]:
+        """Post the answers' receives first, then ask (every server, or ``ranks``): no server ever waits
+        for us to listen."""
+        ranks = list(self.layout.server_ranks if ranks is None else ranks)
+        indices = [self.layout.server_index(rank) for rank in ranks]
+        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in ranks]
         recvs = []
-        for s, rank in enumerate(self.layout.server_ranks):
-            recvs.append((heads[s], rank, TAG_REPLY))
+        for head, s, rank in zip(heads, indices, ranks):
+            recvs.append((head, rank, TAG_REPLY))
             if self.buffers[s].numel():
                 recvs.append((self.buffers[s], rank, TAG_REPLY_DATA))
-        sends = [(header(kind, self.channel.rank, clock, 0), rank, TAG_REQUEST) for rank in self.layout.server_ranks]
+        sends = [(header(kind, self.channel.rank, clock, 0), rank, TAG_REQUEST) for rank in ranks]
         self._exchange(sends=sends, recvs=recvs)
         stale = []
-        for s, rank in enumerate(self.layout.server_ranks):
-            _, version, updates, stale_s = self._check_reply(heads[s], rank)
+        for head, s, rank in zip(heads, indices, ranks):
+            _, version, updates, stale_s, _ = self._check_reply(head, rank)
             self.versions[s], self.updates[s] = version, updates
             stale.append(stale_s)
             self.plan.unflatten(self.buffers[s], s, self.params)
@@ -145,7 +180,7 @@ class ParameterClient:
         return heads
 
     def _check_reply(self, head: torch.Tensor, rank: int) -> list[int]:
-        """The header's values after the kind and sender: [sender, a, b, c]; raises if it is no reply."""
+        """The header's values after the kind: [sender, a, b, c, d]; raises if it is no reply."""
         answer, *rest = head.tolist()
         if answer != REPLY:
             raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} answered with message "

@@ -1,24 +1,24 @@
 """The staleness bound (stale synchronous parallel, Ho et al. 2013) as plain data.
 
-Clocks count each worker's steps from 0: worker ``w`` *starts* clock ``c`` when it pulls the parameters
-for its step ``c``, and *finishes* it when a server has applied its gradient of step ``c``. ``finished[w]``
-is the last clock worker ``w`` finished (-1 before its first).
+Every global step is cut into one slice per worker (N slices, each a *ticket*, handed out in order by
+parameter server 0: :mod:`.book`). A step is *finished* once the servers have applied the gradients of all
+its slices; the *version* of the servers' values is the number of steps finished from the start
+(every step before it finished). Whichever worker computes a slice, it starts it by pulling the values.
 
-With bound ``K``: no worker starts clock ``c + K + 1`` before every worker has finished clock ``c``; that is,
-worker ``w`` may start clock ``c`` when ``min(finished) >= c - K - 1``. ``K = 0`` is bulk-synchronous (every
-worker finishes step ``c - 1`` before anyone starts step ``c``); ``K = None`` never waits (fully asynchronous).
+With bound ``K``: no slice of step ``c + K + 1`` starts before step ``c`` has finished, i.e. a pull for step
+``c`` is answered once the version is ``>= c - K``. ``K = 0`` is bulk-synchronous (step ``c - 1`` finished
+before any slice of step ``c`` starts, so every slice of a step sees the same values, as ``sync``);
+``K = None`` never waits (fully asynchronous). The staleness of an applied gradient is the version just
+before it is applied minus the version of the values it was computed on: a pull for step ``c`` sees version
+``>= c - K``, and until step ``c`` finishes the version is ``<= c``, so every recorded staleness is ``<= K``.
 
-The *global clock* is ``min(finished) + 1``: how many steps every worker has finished. It is the version a
-server hands out with the parameters, and the staleness of an applied gradient is the global clock just
-before it is applied minus the global clock when its parameters were read. A worker that reads for clock ``c`` under
-bound ``K`` sees a global clock >= ``c - K``, and until its own clock ``c`` is finished the global clock is
-<= ``c``, so every recorded staleness is <= ``K``.
+With a worker per slice (each worker computes slice ``w`` of every step, as the first protocol did) this
+is the classic rule: no worker starts clock ``c + K + 1`` before every worker has finished clock ``c``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from polytrain.errors import ConfigError
 
@@ -36,25 +36,14 @@ class StalenessPolicy:
     def synchronous(self) -> bool:
         return self.bound == 0
 
-    def may_start(self, clock: int, finished: Sequence[int]) -> bool:
-        """Whether a worker may start ``clock`` given every (still training) worker's finished clock."""
-        if self.bound is None or not finished:
-            return True
-        return min(finished) >= clock - self.bound - 1
-
-    def earliest_wait(self, clock: int) -> int:
-        """The clock every worker must have finished before ``clock`` may start (-1: none)."""
-        return -1 if self.bound is None else max(-1, clock - self.bound - 1)
+    def may_start(self, step: int, version: int) -> bool:
+        """Whether a slice of ``step`` may start when the first ``version`` steps have finished."""
+        return self.bound is None or version >= step - self.bound
 
     def describe(self) -> str:
         if self.bound is None:
             return "fully asynchronous (no staleness bound)"
         if self.bound == 0:
-            return "bulk synchronous (staleness 0: every worker finishes step c before anyone starts c+1)"
-        return (f"staleness bound {self.bound}: no worker starts step c+{self.bound + 1} before every worker "
-                f"has finished step c")
-
-
-def global_clock(finished: Sequence[int]) -> int:
-    """Steps every worker has finished (``min(finished) + 1``); 0 with no workers listed."""
-    return min(finished) + 1 if finished else 0
+            return "bulk synchronous (staleness 0: every slice of step c is applied before step c+1 starts)"
+        return (f"staleness bound {self.bound}: no slice of step c+{self.bound + 1} starts before every slice "
+                f"of step c is applied")

@@ -31,12 +31,16 @@ class StalenessWindow:
 
 
 def staleness_summary(rows: Sequence[torch.Tensor], duplicates: int, bound: int | None) -> dict[str, Any]:
-    """The run's staleness from every server's records (rows ``[worker, clock, read version, applied
-    version, missed]``): max, mean and histogram over pushed gradients, and how many were applied."""
+    """The run's staleness from every server's records (rows ``[worker, clock, ticket, read version, applied
+    version, missed]``): max, mean and histogram over pushed gradients, how many were applied, and how
+    many slices each worker computed (a fast worker takes more)."""
     worst: dict[tuple[int, int], int] = {}
+    slices: Counter[int] = Counter()
     for server_rows in rows:
-        for worker, clock, read, applied, _ in server_rows.tolist():
+        for worker, clock, _, read, applied, _ in server_rows.tolist():
             key = (worker, clock)
+            if key not in worst:
+                slices[worker] += 1
             worst[key] = max(worst.get(key, 0), applied - read)
     values = list(worst.values())
     counts = Counter(values)
@@ -48,4 +52,5 @@ def staleness_summary(rows: Sequence[torch.Tensor], duplicates: int, bound: int 
         "staleness_histogram": {str(k): counts[k] for k in sorted(counts)},
         "gradients_applied": len(values),
         "duplicate_pushes_ignored": duplicates,
+        "slices_per_worker": [slices[w] for w in sorted(slices)],
     }

@@ -2,17 +2,21 @@
 
 ``--workers N --servers S`` starts N + S processes: ranks 0..N-1 train, ranks N.. are parameter servers
 (:mod:`polytrain.strategies.ps`). The servers hold the parameters, cut across them by size, and the
-optimizer state; every worker loops: pull the parameters for its step ``c``, compute the gradient of its
-slice, push it. A server applies each pushed gradient alone, once per (worker, step), scaled by 1/N, at the
-learning rate the schedule gives for step ``c``. With ``--staleness K`` no worker starts step c+K+1 before
-every worker finished step c (K = 0: bulk synchronous, equal to ``sync`` for plain SGD).
+optimizer state. Each global batch is cut into N slices; parameter server 0 hands the slices out as
+*tickets*, in order, to whichever worker asks: every worker loops "take a ticket, pull the parameters,
+compute the gradient of that slice, push it" until no slice of the current step is left, then goes on to
+the next step. A fast worker so computes more slices than a slow one instead of waiting for it, and every
+slice of every step is computed exactly once. A server applies each pushed gradient alone, once, scaled by
+1/N, at the learning rate the schedule gives for its step. With ``--staleness K`` no slice of step c+K+1
+starts before every slice of step c is applied (K = 0: bulk synchronous, equal to ``sync`` for plain SGD).
 
-What ``--batch-size`` means: there is no global step, so it counts the examples of *one step of every
-worker*, as for ``sync``: each worker's push is the gradient of its ``batch / N`` examples, so N pushes (one
-global clock) take ``batch`` examples and, for plain SGD, move the parameters as much as one ``sync`` step.
+What ``--batch-size`` means: there is no global update, so it counts the examples of *one step*, as for
+``sync``: N slices of ``batch / N`` examples, each pushed and applied alone, so that for plain SGD one step
+moves the parameters as much as one ``sync`` step. ``--steps`` counts steps of ``batch`` examples over all
+workers together, whoever computed them (a slow worker computes fewer slices).
 
 Evaluation, checkpoints and the saved model read the servers at the step the trainers are at, once every
-worker's earlier gradients are applied: what is saved at step ``s`` does not depend on arrival order. The
+slice of the earlier steps is applied: what is saved at step ``s`` does not depend on arrival order. The
 optimizer state travels between the servers' pieces and ``single``'s ``torch.optim`` layout
 (:mod:`.state`), so a checkpoint of any strategy resumes here and the other way round.
 
@@ -35,7 +39,7 @@ from torch import nn
 from polytrain.data.batches import Batch, Shard
 from polytrain.distributed.p2p import Channel
 from polytrain.distributed.topology import Topology
-from polytrain.errors import ConfigError
+from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
 from polytrain.strategies.base import OptimizerFactory, Strategy, register_strategy
 from polytrain.strategies.ps.client import ParameterClient
@@ -52,9 +56,9 @@ from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
 @dataclass
 class AsyncConfig:
     servers: int = option(1, "async: parameter server processes, started besides the --workers (ranks after "
-                             "theirs). --batch-size counts one step of every worker: each worker pushes the "
-                             "gradient of batch/N examples, applied alone and scaled by 1/N", minimum=1,
-                          metavar="S")
+                             "theirs). --batch-size counts one step: N slices of batch/N examples, each computed "
+                             "by whichever worker is free and applied alone, scaled by 1/N; --steps counts "
+                             "such steps over all workers", minimum=1, metavar="S")
     staleness: int | None = option(None, "async: no worker starts step c+K+1 before every worker finished step c "
                                          "(0: bulk synchronous; leave out for fully asynchronous)", minimum=0,
                                    metavar="K")
@@ -73,7 +77,8 @@ class AsyncParameterServer(Strategy):
         self.options = options or AsyncConfig()  # arrange() needs the server count before the base sets it
         super().__init__(topology, self.options)
         self.policy = StalenessPolicy(self.options.staleness)
-        self.clock = 0  # this worker's next step; every trainer is at the same one at log/eval/checkpoint points
+        self.clock = 0  # this worker's next push (its own count; tells a retried push from a new one)
+        self.step = 0  # the trainers' next step: every trainer is at the same one at log/eval/checkpoint points
         self._connected = False
         self._initial_state: dict[str, Any] | None = None  # a resumed optimizer state, sent with the values
         self._read_at = -1  # the clock the model's values were last read from the servers at
@@ -135,15 +140,15 @@ class AsyncParameterServer(Strategy):
     def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
                     deterministic: bool = False) -> Shard | Callable[[int], Shard]:
         self._global_batch = global_batch  # for describe(): what one push holds
-        return super().step_shards(global_batch, accumulate, data_workers, deterministic)
+        return Shard(0, 1)  # every worker draws whole global batches: which slice it computes comes with its ticket
 
     def describe(self) -> str:
         n, s = self.layout.workers, self.layout.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
         if self._global_batch:
-            text += (f"\n  --batch-size {self._global_batch} counts one step of every worker: each worker pushes "
-                     f"the gradient of its {self._global_batch // n} examples, applied alone at lr/{n}")
+            text += (f"\n  --batch-size {self._global_batch} counts one step: {n} slices of {self._global_batch // n} "
+                     f"examples, handed to whichever worker is free, each applied alone at lr/{n}")
         return text
 
     # -- model, servers and clients -------------------------------------------------------------------
@@ -190,7 +195,7 @@ class AsyncParameterServer(Strategy):
             if self._initial_state is not None:
                 state = self.state_layout.from_single(self.plan, self._initial_state.get("state", {}),
                                                       dict(self.model.named_parameters()))
-            self.client.send_initial(self.clock, state)
+            self.client.send_initial(self.step, state)
             self._initial_state = None
 
     # -- the step -------------------------------------------------------------------------------------
@@ -200,12 +205,38 @@ class AsyncParameterServer(Strategy):
         super().set_lr(lr)
 
     def train_step(self, batch: Batch) -> StepResult:
+        """Every slice of ``batch`` (a whole global batch) that this worker gets a ticket for, one by one."""
         assert self.model is not None, "call prepare() first"
         self._connect()
+        n, losses, examples = self.layout.workers, [], 0
+        pushed: tuple[int, float | None, int] | None = None  # the last slice's push goes with the next request
+        while (ticket := self._next_slice(batch.step, pushed)) is not None:
+            if ticket // n != batch.step:
+                raise CommunicationError(f"{self.layout.name(self.topology.rank)} got slice {ticket} of step "
+                                         f"{ticket // n} while at step {batch.step}: the workers' steps disagree")
+            part = Shard(ticket % n, n)
+            piece = replace(batch, inputs=part.take(batch.inputs), targets=part.take(batch.targets))
+            losses.append(self._gradient(piece))
+            examples += len(piece)
+            pushed = (self.clock, self._lr, ticket)
+            self.clock += 1
+        self.step = batch.step + 1
+        self.traffic.examples += examples
+        # a slice's loss is its share of the step's (as sync's slices); their mean estimates the step's
+        loss = torch.stack(losses).mean() if losses else None
+        return StepResult(loss, examples)
+
+    def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None) -> int | None:
         started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
-        self.client.pull(self.clock)
+        ticket = self.client.next_slice(step, pushed)
         self._waited += time.perf_counter() - started
-        self._window.add(self.client.last_staleness)
+        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
+        if ticket is not None:
+            self._window.add(self.client.last_staleness)
+        return ticket
+
+    def _gradient(self, batch: Batch) -> torch.Tensor:
+        """This slice's gradient in the model's ``.grad`` (pushed with the next request); returns its loss."""
         self.model.zero_grad(set_to_none=True)
         recipe = self.recipe
         # the replicas' gradients are summed by the servers at 1/N each, as sync averages them
@@ -214,20 +245,14 @@ class AsyncParameterServer(Strategy):
                                 lambda model, enabled: contextlib.nullcontext(), self.backward, **extra)
         if recipe.clip_grad_norm is not None:  # no global gradient here: each push is clipped alone
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
-        started = time.perf_counter()
-        self.client.push(self.clock, self._lr)
-        self._waited += time.perf_counter() - started
-        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
-        self.traffic.examples += len(batch)
-        self.clock += 1
-        return StepResult(loss, len(batch))
+        return loss
 
     def _refresh(self) -> None:
         """The servers' values at this trainer's step into the model (for evaluation and saving)."""
         self._connect()
-        if self._read_at != self.clock:
-            self.client.read(self.clock)
-            self._read_at = self.clock
+        if self._read_at != self.step:
+            self.client.read(self.step)
+            self._read_at = self.step
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -251,7 +276,7 @@ class AsyncParameterServer(Strategy):
         out = super().summary_metrics()
         if self.trainers.is_main:
             self._connect()
-            rows, duplicates = self.client.records(self.clock)
+            rows, duplicates = self.client.records(self.step)
             out.update(staleness_summary(rows, duplicates, self.policy.bound))
         return out
 
@@ -267,7 +292,7 @@ class AsyncParameterServer(Strategy):
         model = self.model_state_dict()
         if model is None:
             return None
-        per_server = self.client.optimizer_state(self.clock, self.state_layout)
+        per_server = self.client.optimizer_state(self.step, self.state_layout)
         optimizer = self.optimizer.state_dict()  # single's param_groups (never stepped: no state of its own)
         optimizer["state"] = self.state_layout.to_single(self.plan, per_server, dict(self.model.named_parameters()))
         return {"model": model, "optimizer": optimizer}
@@ -276,7 +301,7 @@ class AsyncParameterServer(Strategy):
         if self.role == "server":
             return  # the servers get the values and optimizer state from trainer rank 0 (_connect)
         self.model.load_state_dict(state["model"])
-        self.clock = int(state.get("step", 0))
+        self.clock = self.step = int(state.get("step", 0))
         self._initial_state = state["optimizer"] if self.trainers.is_main else None
 
 
