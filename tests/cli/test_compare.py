@@ -68,3 +68,30 @@ def test_compare_runs_every_case_with_and_without_a_straggler(tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 0
     assert "| case | examples/s |" in (out / "compare.md").read_text()
     assert "diloco:sync_every=2 +straggler 1:2" in capsys.readouterr().out
+
+
+def test_repeated_rounds_give_medians_and_each_ratio_is_taken_within_its_round():
+    from polytrain.compare import rows
+    from polytrain.compare.runner import Outcome
+    from polytrain.compare.specs import CompareConfig
+
+    def run(label, strategy, seconds, round_, accuracy):  # 1000 examples in `seconds`
+        summary = {"eval_accuracy": accuracy, "bytes_sent_per_example": 100 if strategy == "sync" else 50}
+        return Outcome(label, strategy, [], summary, curve=[(seconds, 1000, 0.1)], round=round_)
+
+    # round 2 ran on a machine twice as slow: the ratios within each round stay 2.0 and 1.0
+    outcomes = [run("sync", "sync", 1.0, 0, 0.9), run("async", "async", 0.5, 0, 0.8),
+                run("sync", "sync", 2.0, 1, 0.9), run("async", "async", 2.0, 1, 0.9),
+                run("sync", "sync", 1.0, 2, 0.9), run("async", "async", 0.5, 2, 0.8)]
+    table = {r["case"]: r for r in rows(CompareConfig(repeats=3), outcomes)}
+    assert table["sync"]["examples_per_sec"] == 1000 and table["sync"]["rounds"] == 3
+    assert table["sync"]["examples_per_sec_range"] == [500, 1000]
+    assert table["async"]["speed_vs_sync"] == 2.0 and table["async"]["speed_vs_sync_range"] == [1.0, 2.0]
+    assert table["async"]["fewer_bytes_than_sync"] == 2.0 and table["async"]["accuracy_vs_sync_points"] == -10.0
+
+
+def test_repeats_below_one_is_an_error():
+    from polytrain.compare.specs import CompareConfig
+
+    with pytest.raises(ConfigError, match="--repeats must be >= 1, got 0"):
+        CompareConfig(repeats=0).check()

@@ -41,6 +41,8 @@ def add_parser(sub: Any) -> None:
         ("log_every", "N", int, "log every N steps (divides --eval-every)"), ("seed", "N", int, "seed"),
         ("target_accuracy", "A", float, "eval accuracy whose first reaching is timed"),
         ("target_loss", "L", float, "eval loss whose first reaching is timed (instead of or with accuracy)"),
+        ("repeats", "R", int, "rounds of every case, interleaved; the table gives medians, and the spread of "
+                              "the speed ratios over the rounds (on a shared machine use 3 or more)"),
     ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=metavar,
                             help=f"{what} (default: {getattr(d, name)})")

@@ -18,38 +18,66 @@ REFERENCE = "sync"
 
 
 def rows(cfg: CompareConfig, outcomes: list[Outcome]) -> list[dict[str, Any]]:
-    """One row per case, with its ratios to sync under the same stragglers (when sync ran)."""
-    # the reference is plain "sync" (not "sync:comm=backend"), one per set of stragglers
-    reference = {tuple(o.stragglers): o for o in outcomes if o.label.split(" ")[0] == REFERENCE}
-    out = []
+    """One row per case, with its ratios to sync under the same stragglers (when sync ran). With several
+    rounds (``--repeats``) a row gives the rounds' medians, and each ratio is the median of the ratios taken
+    within one round (cases of a round ran minutes apart), with their spread (``*_range``: min, max)."""
+    by_case: dict[str, list[Outcome]] = {}
     for o in outcomes:
-        s = o.summary
+        by_case.setdefault(o.label, []).append(o)
+    # the reference is plain "sync" (not "sync:comm=backend"), one per set of stragglers and round
+    reference = {(tuple(o.stragglers), o.round): o for o in outcomes if o.label.split(" ")[0] == REFERENCE}
+    out = []
+    for label, runs in by_case.items():
+        first, s = runs[0], runs[0].summary
         row = {
-            "case": o.label,
-            "strategy": o.strategy,
-            "stragglers": o.stragglers,
-            "examples_per_sec": o.examples_per_sec,
-            "time_to_target_s": o.time_to(cfg.target_accuracy, cfg.target_loss),
-            "eval_accuracy": s.get("eval_accuracy"),
-            "eval_loss": s.get("eval_loss"),
+            "case": label,
+            "strategy": first.strategy,
+            "stragglers": first.stragglers,
+            "rounds": len(runs),
+            "examples_per_sec": _median([o.examples_per_sec for o in runs]),
+            "time_to_target_s": _median([o.time_to(cfg.target_accuracy, cfg.target_loss) for o in runs]),
+            "eval_accuracy": _median([o.summary.get("eval_accuracy") for o in runs]),
+            "eval_loss": _median([o.summary.get("eval_loss") for o in runs]),
             "bytes_sent_per_example": s.get("bytes_sent_per_example"),
             # either naming: the parameter servers' summary says staleness_max
             "max_staleness": s.get("max_staleness", s.get("staleness_max")),
             "mean_staleness": s.get("mean_staleness", s.get("staleness_mean")),
-            "wall_s": s.get("wall_s"),
+            "wall_s": _median([o.summary.get("wall_s") for o in runs]),
             "rank_examples_per_sec": s.get("rank_examples_per_sec"),
             "rank_straggler_s": s.get("rank_straggler_s"),
+            "slices_per_worker": s.get("slices_per_worker"),
         }
-        ref = reference.get(tuple(o.stragglers))
-        if ref is not None and ref is not o:
-            r = ref.summary
-            row["speed_vs_sync"] = _ratio(o.examples_per_sec, ref.examples_per_sec)
+        if len(runs) > 1:
+            row["examples_per_sec_range"] = _spread([o.examples_per_sec for o in runs])
+        refs = [(o, reference.get((tuple(o.stragglers), o.round))) for o in runs]
+        refs = [(o, ref) for o, ref in refs if ref is not None and ref is not o]
+        if refs:
+            speed = [_ratio(o.examples_per_sec, ref.examples_per_sec) for o, ref in refs]
+            row["speed_vs_sync"] = _median(speed)
+            if len(speed) > 1:
+                row["speed_vs_sync_range"] = _spread(speed)
+            r = refs[0][1].summary
             # how many times fewer bytes than sync moves per example
             row["fewer_bytes_than_sync"] = _ratio(r.get("bytes_sent_per_example"), s.get("bytes_sent_per_example"))
-            if s.get("eval_accuracy") is not None and r.get("eval_accuracy") is not None:
-                row["accuracy_vs_sync_points"] = round(100 * (s["eval_accuracy"] - r["eval_accuracy"]), 2)
+            points = [100 * (o.summary["eval_accuracy"] - ref.summary["eval_accuracy"]) for o, ref in refs
+                      if o.summary.get("eval_accuracy") is not None and ref.summary.get("eval_accuracy") is not None]
+            if points:
+                row["accuracy_vs_sync_points"] = round(_median(points), 2)
         out.append(row)
     return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else round((known[mid - 1] + known[mid]) / 2, 4)
+
+
+def _spread(values: list[float | None]) -> list[float] | None:
+    known = [v for v in values if v is not None]
+    return [min(known), max(known)] if known else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -75,6 +103,7 @@ COLUMNS = [  # (key, heading, format)
     ("case", "case", "{}"),
     ("examples_per_sec", "examples/s", "{:.0f}"),
     ("speed_vs_sync", "x sync", "{:.2f}"),
+    ("speed_vs_sync_range", "x sync min-max", "{}"),
     ("time_to_target_s", "time to target (s)", "{:.2f}"),
     ("eval_accuracy", "final acc", "{:.4f}"),
     ("eval_loss", "final loss", "{:.4f}"),
@@ -87,6 +116,10 @@ COLUMNS = [  # (key, heading, format)
 def _cells(row: dict[str, Any]) -> list[str]:
     cells = []
     for key, _, fmt in COLUMNS:
+        if key == "speed_vs_sync_range":
+            spread = row.get(key)
+            cells.append("-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}")
+            continue
         if key == "staleness":
             top, mean = row.get("max_staleness"), row.get("mean_staleness")
             cells.append("-" if top is None else f"{top}/{mean:.2f}" if mean is not None else f"{top}")
@@ -106,7 +139,9 @@ def _heading(doc: dict[str, Any]) -> list[str]:
     cfg, env = doc["config"], doc["environment"]
     return [f"{cfg['model']} on {cfg['data']}, {cfg['workers']} workers x {cfg['worker_batch_size']} examples per "
             f"step, {cfg['steps']} steps, {cfg['optimizer']} lr {cfg['lr']:g} momentum {cfg['momentum']:g}, "
-            f"evaluated every {cfg['eval_every']} steps; target: "
+            f"evaluated every {cfg['eval_every']} steps"
+            + (f", {cfg['repeats']} interleaved rounds (medians)" if cfg.get("repeats", 1) > 1 else "")
+            + "; target: "
             f"{_target(CompareConfig(**{k: v for k, v in cfg.items()}))}",
             f"{env['cpu']}, {env['cores']} cores (load average {env.get('load_average')}), torch {env['torch']}, "
             f"polytrain {env['polytrain']}, {env['date']}"]
@@ -140,6 +175,8 @@ def plot(outcomes: list[Outcome], path: Path, title: str = "") -> None:
     fig, (by_time, by_examples) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colours = {}
     for o in outcomes:
+        if o.round:
+            continue  # the first round's curves (later rounds repeat them, at other speeds)
         colour = colours.setdefault(o.label.split(" ")[0], f"C{len(colours)}")
         style = "--" if o.stragglers else "-"
         times, examples, losses = zip(*o.curve) if o.curve else ((), (), ())

@@ -45,6 +45,7 @@ class Outcome:
     curve: list[tuple[float, int, float]] = field(default_factory=list)
     #: (step, wall seconds, eval loss, eval accuracy) at every evaluation
     evals: list[tuple[int, float | None, float, float | None]] = field(default_factory=list)
+    round: int = 0  # which of the --repeats rounds
 
     @property
     def examples_per_sec(self) -> float | None:
@@ -107,19 +108,20 @@ def run_cases(cfg: CompareConfig, cases: list[Case], workdir: Path,
 
     workdir.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    for i, case in enumerate(cases, 1):
-        metrics = workdir / f"{case.file_stem}.jsonl"
+    runs = [(r, case) for r in range(cfg.repeats) for case in cases]  # interleaved: drift hits every case alike
+    for i, (r, case) in enumerate(runs, 1):
+        metrics = workdir / f"{case.file_stem}{f'-round{r + 1}' if cfg.repeats > 1 else ''}.jsonl"
         metrics.unlink(missing_ok=True)  # the metrics file appends: start each case afresh
-        progress(f"[{i}/{len(cases)}] {case.label}")
+        progress(f"[{i}/{len(runs)}] {case.label}" + (f" (round {r + 1})" if cfg.repeats > 1 else ""))
         summary = polytrain.fit(**cfg.settings(case.spec, case.stragglers), metrics_file=str(metrics))
-        outcome = read_outcome(case, summary, metrics)
-        progress(f"    {outcome.summary.get('examples_per_sec')} examples/sec, eval accuracy "
+        outcome = read_outcome(case, summary, metrics, r)
+        progress(f"    {outcome.examples_per_sec} examples/sec, eval accuracy "
                  f"{outcome.summary.get('eval_accuracy')}, {outcome.summary.get('wall_s')} s")
         outcomes.append(outcome)
     return outcomes
 
 
-def read_outcome(case: Case, summary: dict[str, Any], metrics: Path) -> Outcome:
+def read_outcome(case: Case, summary: dict[str, Any], metrics: Path, round: int = 0) -> Outcome:
     """The curve and evaluations of one run from its metrics file; an evaluation's time is that of the step
     record logged at its step (--eval-every is a multiple of --log-every)."""
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -129,4 +131,4 @@ def read_outcome(case: Case, summary: dict[str, Any], metrics: Path) -> Outcome:
     curve = [(r["time_s"], r["step"] * global_batch, r["loss"]) for r in steps if r.get("loss") is not None]
     evals = [(r["step"], time_at.get(r["step"]), r["eval_loss"], r.get("eval_accuracy"))
              for r in records if r["event"] == "eval"]
-    return Outcome(case.label, case.spec.name, case.stragglers, summary, curve, evals)
+    return Outcome(case.label, case.spec.name, case.stragglers, summary, curve, evals, round)

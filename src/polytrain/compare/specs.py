@@ -79,11 +79,13 @@ class CompareConfig:
     seed: int = 0
     target_accuracy: float | None = 0.95
     target_loss: float | None = None
+    #: rounds of every case, interleaved (case A, B, A, B...); each row's numbers are the rounds' medians
+    repeats: int = 1
     #: further settings for every case, by config key (``comm=backend``, ``threads_per_worker=1``)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        for name in ("workers", "worker_batch_size", "steps", "eval_every", "log_every"):
+        for name in ("workers", "worker_batch_size", "steps", "eval_every", "log_every", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_every % self.log_every:
