@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.devices.host_memory import describe_host_memory
+from polytrain.distributed.p2p import Channel
 from polytrain.distributed.launch import launch
 from polytrain.distributed.rendezvous import StoreServer
 from polytrain.errors import ConfigError, DataError, WorkerError
@@ -71,6 +72,18 @@ def test_a_failing_worker_stops_the_others_and_names_its_rank():
 
 def _user_error(ctx):
     raise DataError("no such data (on purpose)")
+
+
+def _bug_on_rank_one_while_rank_zero_listens(ctx):
+    channel = Channel(ctx.topology.group, timeout=60)
+    if ctx.rank == 1:
+        raise TypeError("a bug on purpose")
+    channel.recv(torch.empty(1), 1, tag=3)  # rank 1's exit closes the connection: a CommunicationError here
+
+
+def test_a_peers_bug_is_the_cause_not_the_lost_connection_it_leaves_behind():
+    with pytest.raises(WorkerError, match=r"worker rank 1 failed: TypeError: a bug on purpose"):
+        spawn(_bug_on_rank_one_while_rank_zero_listens, 2, timeout=60)
 
 
 def test_user_errors_keep_their_class_and_message():

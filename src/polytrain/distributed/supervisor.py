@@ -41,8 +41,8 @@ class Failure:
             return 4
         if self.kind == "signal":
             return 0
-        if self.kind == "user":
-            return 1
+        if self.kind == "user" and self.error_class != "CommunicationError":
+            return 1  # a lost connection to a peer is the peer's failure showing, when the peer reported one
         if self.kind == "exception" and not any(h in self.message.lower() for h in _COMM_HINTS):
             return 2
         return 5 if self.kind == "stopped" else 3
