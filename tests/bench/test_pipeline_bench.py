@@ -12,7 +12,7 @@ from polytrain.errors import ConfigError
 
 def test_cases_are_single_then_every_schedule_and_m_it_accepts_with_the_theory():
     chosen, skipped = cases(PipelineBenchConfig(schedules=("gpipe", "1f1b", "interleaved-1f1b")))
-    assert [c.key for c in chosen] == ["single", "gpipe_m1", "gpipe_m2", "gpipe_m4", "gpipe_m8", "1f1b_m2",
+    assert [c.key for c in chosen] == ["single", "ceiling", "gpipe_m1", "gpipe_m2", "gpipe_m4", "gpipe_m8", "1f1b_m2",
                                        "1f1b_m4", "1f1b_m8", "interleaved-1f1b_m1", "interleaved-1f1b_m2",
                                        "interleaved-1f1b_m4", "interleaved-1f1b_m8"]
     assert skipped == ["1f1b M=1: --schedule 1f1b needs --microbatches >= --stages (1 < 2); pass more "
@@ -61,6 +61,7 @@ def test_rows_pair_each_pipeline_run_with_single_in_its_repeat():
     cfg = PipelineBenchConfig(schedules=("gpipe",), microbatches=(2, 8), repeats=2)
     chosen, skipped = cases(cfg)
     runs = [Run("single", 0, 100.0, step_s=0.3), Run("single", 1, 50.0, step_s=0.6),
+            Run("ceiling", 0, 90.0, step_s=0.3), Run("ceiling", 1, 50.0, step_s=0.6),
             Run("gpipe_m2", 0, 120.0, [0.1, 0.1], [0.05, 0.03], 0.25), Run("gpipe_m2", 1, 70.0, [0.2, 0.1],
                                                                            [0.1, 0.05], 0.4),
             Run("gpipe_m8", 0, 160.0, [0.1, 0.1], [0.02, 0.02], 0.2), Run("gpipe_m8", 1, 80.0, [0.1, 0.1],
@@ -73,6 +74,9 @@ def test_rows_pair_each_pipeline_run_with_single_in_its_repeat():
     assert rows["gpipe_m2"]["rank_busy_s"] == pytest.approx([0.15, 0.1])  # medians over repeats, per rank
     assert rows["gpipe_m2"]["rank_bubble"] == pytest.approx([0.075 / 0.225, 0.04 / 0.14], abs=1e-4)
     assert "target" not in rows["gpipe_m2"]
+    # two processes at once ran at 0.9 and 1.0 x single's rate: against that, 120/90 and 70/50
+    assert rows["ceiling"]["per_process_vs_single_per_repeat"] == pytest.approx([0.9, 1.0])
+    assert rows["gpipe_m2"]["efficiency_at_ceiling"] == pytest.approx((120 / 90 + 70 / 50) / 2 / (4 / 3), abs=1e-4)
     # the bar: M=8, P=2, at least 0.85 x 16/9 = 1.511
     assert rows["gpipe_m8"]["speedup"] == pytest.approx(1.6) and rows["gpipe_m8"]["met"] is True
     assert "met" in format_text(doc) and "| gpipe, P=2, M=8 | 120.0 | 1.600 | 1.778 |" in format_markdown(doc)

@@ -43,13 +43,15 @@ def test_bad_settings_exit_with_one_line(cli_env, tmp_path):
     assert proc.stderr.strip() == "polytrain: error: --workers must be >= 1, got 0"
 
 
+@pytest.mark.slow  # single, 2 independent processes and a 2-stage pipeline, each started afresh
 def test_quick_pipeline_suite_writes_json_markdown_and_plot(cli_env, tmp_path):
     proc = polytrain("--suite", "pipeline", "--quick", "--schedules", "gpipe", "--markdown", "p.md", "--plot", "p.png",
                      env=cli_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "polytrain-bench-pipeline.json").read_text())
-    single, gpipe = doc["rows"]
-    assert (single["case"], gpipe["case"]) == ("single", "gpipe_m2")
+    single, ceiling, gpipe = doc["rows"]
+    assert (single["case"], ceiling["case"], gpipe["case"]) == ("single", "ceiling", "gpipe_m2")
+    assert ceiling["per_process_vs_single"] > 0 and "efficiency_at_ceiling" in gpipe
     assert gpipe["speedup"] == pytest.approx(gpipe["examples_per_sec"] / single["examples_per_sec"], rel=1e-3)
     assert gpipe["speedup_theoretical"] == round(2 * 2 / 3, 4) and gpipe["bubble_theoretical"] == round(1 / 3, 4)
     assert len(gpipe["rank_busy_s"]) == 2 and all(b > 0 for b in gpipe["rank_busy_s"])

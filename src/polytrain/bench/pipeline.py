@@ -103,7 +103,8 @@ def installed_schedules() -> list[str]:
 
 def cases(cfg: PipelineBenchConfig) -> tuple[list[PipelineCase], list[str]]:
     """The cases (single first) and, for every (schedule, M) left out, why: the schedule's own limits."""
-    out = [PipelineCase("single", "single, 1 thread", "single")]
+    out = [PipelineCase("single", "single, 1 thread", "single"),
+           PipelineCase("ceiling", f"{cfg.stages} independent processes x 1 thread", "ceiling", stages=cfg.stages)]
     skipped = []
     for name in cfg.schedules or installed_schedules():
         for m in cfg.microbatches:
@@ -133,6 +134,8 @@ class Run:
 
 
 def run_case(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:
+    if case.strategy == "ceiling":
+        return run_ceiling(case, cfg, repeat, workdir)
     from polytrain.api import fit
 
     metrics = workdir / f"{case.key}-{repeat}.jsonl"
@@ -145,6 +148,23 @@ def run_case(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir:
     except Exception as exc:  # noqa: BLE001 - a case that fails is reported by name, the rest still run
         raise BenchError(f"{case.label}: {type(exc).__name__}: {exc}") from exc
     return window(case, repeat, metrics, cfg, summary.get("pipeline_split"))
+
+
+def run_ceiling(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:
+    """P processes each training its own copy on the whole batch, nothing exchanged (the throughput suite's
+    DDP script without gradient exchange): what P cores give at this moment, whatever else runs on them.
+    Its rate per process over single's is the most any P-process method could reach against single."""
+    from polytrain.bench.cases import BenchConfig, Case
+    from polytrain.bench.measure import run_ddp
+
+    bench = BenchConfig(model=cfg.model, data=cfg.data, worker_batch_size=cfg.batch_size, workers=case.stages,
+                        warmup=cfg.warmup, steps=cfg.steps, lr=cfg.lr, momentum=cfg.momentum, seed=cfg.seed,
+                        timeout=cfg.timeout)
+    ddp_case = Case(case.key, case.label, "ddp", "sync", case.stages, 1, case.stages * cfg.batch_size,
+                    exchange=False)
+    m = run_ddp(ddp_case, bench, repeat, workdir)
+    # examples/s per process: the rate single would have on each of the P cores at once
+    return Run(case.key, repeat, m.examples_per_sec / case.stages, step_s=m.window_s / cfg.steps)
 
 
 def window(case: PipelineCase, repeat: int, metrics: Path, cfg: PipelineBenchConfig,

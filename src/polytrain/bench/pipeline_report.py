@@ -22,7 +22,7 @@ def _median_columns(lists: list[list[float]]) -> list[float]:
     return [statistics.median(column) for column in zip(*lists)] if lists and lists[0] else []
 
 
-def case_row(case: PipelineCase, mine: list[Run], single: list[Run]) -> dict[str, Any]:
+def case_row(case: PipelineCase, mine: list[Run], single: list[Run], ceiling: list[Run]) -> dict[str, Any]:
     rates = [r.examples_per_sec for r in mine]
     row: dict[str, Any] = {"case": case.key, "label": case.label, "strategy": case.strategy,
                            "schedule": case.schedule, "stages": case.stages, "microbatches": case.microbatches,
@@ -33,6 +33,10 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run]) -> dict[str
         return row
     by_repeat = {r.repeat: r.examples_per_sec for r in single}
     paired = [r.examples_per_sec / by_repeat[r.repeat] for r in mine]
+    if case.strategy == "ceiling":  # each process's rate against single's: 1 when P cores are P x one core
+        row.update({"per_process_vs_single": round(statistics.median(paired), 4),
+                    "per_process_vs_single_per_repeat": [round(v, 4) for v in paired]})
+        return row
     speedup = statistics.median(paired)
     theory = case.theoretical_speedup()
     busy, idle = _median_columns([r.busy for r in mine]), _median_columns([r.idle for r in mine])
@@ -47,6 +51,10 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run]) -> dict[str
         "busy_slowest_fastest": round(max(busy) / min(busy), 4) if busy and min(busy) > 0 else None,
         "split": mine[-1].split,
     })
+    if ceiling:  # against one process as fast as each of P busy ones: the pipeline's own losses only
+        per_process = {r.repeat: r.examples_per_sec for r in ceiling}
+        at_ceiling = statistics.median(r.examples_per_sec / per_process[r.repeat] for r in mine)
+        row["efficiency_at_ceiling"] = round(at_ceiling / theory, 4)
     if case.microbatches == TARGET_MICROBATCHES and case.stages == 2:
         row.update({"target": EFFICIENCY_TARGET, "met": speedup >= EFFICIENCY_TARGET * theory})
     return row
@@ -54,9 +62,10 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run]) -> dict[str
 
 def result_document(cfg: PipelineBenchConfig, chosen: list[PipelineCase], skipped: list[str], runs: list[Run],
                     balance: list[dict[str, Any]]) -> dict[str, Any]:
-    single = sorted((r for r in runs if r.case == "single"), key=lambda r: r.repeat)
-    rows = [case_row(c, sorted((r for r in runs if r.case == c.key), key=lambda r: r.repeat), single)
-            for c in chosen]
+    def of(key: str) -> list[Run]:
+        return sorted((r for r in runs if r.case == key), key=lambda r: r.repeat)
+
+    rows = [case_row(c, of(c.key), of("single"), of("ceiling")) for c in chosen]
     return {"suite": "pipeline", "config": cfg.to_dict(), "env": environment(), "rows": rows, "skipped": skipped,
             "balance": balance}
 
@@ -91,16 +100,22 @@ def _header(doc: dict[str, Any]) -> str:
 
 def format_text(doc: dict[str, Any]) -> str:
     lines = [_header(doc), "",
-             f"{'case':<30} {'ex/s':>7} {'speed-up':>8} {'theory':>6} {'effic.':>6} {'bubble th/sim/meas':>22} "
-             f"{'busy s/step':>13} {'idle s/step':>13}  speed-up per repeat"]
+             f"{'case':<30} {'ex/s':>7} {'speed-up':>8} {'theory':>6} {'effic.':>6} {'at ceil.':>8} "
+             f"{'bubble th/sim/meas':>22} {'busy s/step':>13} {'idle s/step':>13}  speed-up per repeat"]
     for row in doc["rows"]:
         if row["strategy"] == "single":
             lines.append(f"{row['label']:<30} {row['examples_per_sec']:>7.1f} {'1':>8}")
             continue
+        if row["strategy"] == "ceiling":
+            per_repeat = _fmt_list(row["per_process_vs_single_per_repeat"], ".3f")
+            lines.append(f"{row['label']:<30} {row['examples_per_sec']:>7.1f}   (per process; its rate / single's "
+                         f"{row['per_process_vs_single']:.3f}: {per_repeat})")
+            continue
         measured = _fmt_list(row["rank_bubble"], ".2f")
         bubble = f"{row['bubble_theoretical']:.2f}/{row['bubble_simulated']:.2f}/{measured}"
         lines.append(f"{row['label']:<30} {row['examples_per_sec']:>7.1f} {row['speedup']:>8.3f} "
-                     f"{row['speedup_theoretical']:>6.3f} {row['efficiency']:>6.3f} {bubble:>22} "
+                     f"{row['speedup_theoretical']:>6.3f} {row['efficiency']:>6.3f} "
+                     f"{row.get('efficiency_at_ceiling', float('nan')):>8.3f} {bubble:>22} "
                      f"{_fmt_list(row['rank_busy_s'], '.3f'):>13} {_fmt_list(row['rank_idle_s'], '.3f'):>13}  "
                      f"{_fmt_list(row['speedup_per_repeat'], '.3f')}  {_verdict(row)}".rstrip())
     if doc["skipped"]:
@@ -113,18 +128,27 @@ def format_markdown(doc: dict[str, Any]) -> str:
     lines = [_header(doc) + ".", "",
              "Speed-up: pipeline examples/s over single's in the same repeat (median of repeats). Theoretical: "
              "P·vM/(vM+P−1). Efficiency: measured/theoretical. Bubble: theoretical (P−1)/(vM+P−1), simulated "
-             "with unit costs (`polytrain plan`), measured per stage as idle/(busy+idle) inside the schedule.",
-             "", "| case | examples/s | speed-up | theoretical | efficiency | bubble theor. | bubble sim. | "
-                 "bubble measured (per stage) | busy s/step (per stage) | idle s/step (per stage) | "
+             "with unit costs (`polytrain plan`), measured per stage as idle/(busy+idle) inside the schedule. "
+             "Ceiling: P processes training independently at once, each one's rate over single's; efficiency at "
+             "ceiling: the speed-up over that per-process rate (same repeat), over the theoretical one — the "
+             "pipeline's own losses, without the machine's.",
+             "", "| case | examples/s | speed-up | theoretical | efficiency | efficiency at ceiling | bubble theor. | "
+                 "bubble sim. | bubble measured (per stage) | busy s/step (per stage) | idle s/step (per stage) | "
                  "speed-up per repeat | bar |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
     for row in doc["rows"]:
         if row["strategy"] == "single":
-            lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | 1 | | | | | | | | "
+            lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | 1 | | | | | | | | | "
                          f"{', '.join(f'{r:.1f}' for r in row['runs_examples_per_sec'])} ex/s | |")
             continue
+        if row["strategy"] == "ceiling":
+            lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} per process | "
+                         f"{row['per_process_vs_single']:.3f} per process | | | | | | | | | "
+                         f"{', '.join(f'{v:.3f}' for v in row['per_process_vs_single_per_repeat'])} | |")
+            continue
         lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | {row['speedup']:.3f} | "
-                     f"{row['speedup_theoretical']:.3f} | {row['efficiency']:.3f} | {row['bubble_theoretical']:.3f} | "
+                     f"{row['speedup_theoretical']:.3f} | {row['efficiency']:.3f} | "
+                     f"{_fmt_list([row.get('efficiency_at_ceiling')], '.3f')} | {row['bubble_theoretical']:.3f} | "
                      f"{row['bubble_simulated']:.3f} | {_fmt_list(row['rank_bubble'], '.3f')} | "
                      f"{_fmt_list(row['rank_busy_s'], '.3f')} | {_fmt_list(row['rank_idle_s'], '.3f')} | "
                      f"{', '.join(f'{v:.3f}' for v in row['speedup_per_repeat'])} | {_verdict(row) or '—'} |")
