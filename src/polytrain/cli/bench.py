@@ -28,7 +28,8 @@ machine, ratios taken in the same run much less. Any model and in-memory dataset
 (--model transformer_lm --data text: a language model, whose rows also give tokens/s).
 
 --suite pipeline: single with 1 thread against pipeline with --stages P processes x 1 thread, same global
---batch-size, for each of --microbatches and each schedule the installed torch provides: measured speed-up,
+--batch-size, for each of --microbatches and each schedule the installed torch provides (and, as the
+machine's ceiling, P processes training independently at once): measured speed-up,
 theoretical speed-up P*vM/(vM+P-1), efficiency (their ratio), the bubble (theoretical, simulated, measured
 per stage) and each stage's busy/idle seconds per step; then the balance of --split-at auto for 2 and 4
 stages. --plot FILE draws it (matplotlib).
