@@ -17,7 +17,8 @@ trainers' rank 0 decides on its own clock at log points (``--log-every``), and t
 trainer rank in one one-element all-reduce there, so they all checkpoint the same step; a step pays nothing.
 
 ``POLYTRAIN_INJECT_KILL="rank=R,steps=A+B+..."`` (for tests and the goodput benchmark, not a setting): global
-rank R SIGKILLs itself after step A in the first attempt, after step B in the second, and so on.
+rank R SIGKILLs itself after step A in the first attempt, after step B in the second, and so on (first
+appending the time to the file ``POLYTRAIN_INJECT_KILL_LOG`` names, if set).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from polytrain.options import option, register_section
 
 ATTEMPT_ENV = "POLYTRAIN_RESTART_COUNT"
 KILL_ENV = "POLYTRAIN_INJECT_KILL"
+KILL_LOG_ENV = "POLYTRAIN_INJECT_KILL_LOG"  # where a killed rank appends "attempt step unix-time" first
 #: what a restart can help with: a process that died or was lost, a peer that did not answer
 RESTARTABLE = (WorkerError, CommunicationError)
 
@@ -150,7 +152,8 @@ def _next_attempt(config: RunConfig, err: Exception, before: tuple[str, int] | N
     get_logger().warning(f"restart {number} of {limit} after {elapsed:.1f} s: {cause}; all workers were stopped; "
                          f"starting again from {source}")
     record = {"restart": number, "cause": cause, "rank": getattr(err, "failed_rank", None),
-              "resume_from": latest[0] if resume and latest else None, "after_s": round(elapsed, 3)}
+              "resume_from": latest[0] if resume and latest else None, "after_s": round(elapsed, 3),
+              "unix_time": time.time()}  # when every worker was stopped (the goodput benchmark reads it)
     _append_metrics(config.log.metrics_file, {"event": "restart", **record})
     attempt = copy.deepcopy(config)
     attempt.checkpoint.resume = resume
@@ -263,4 +266,7 @@ class InjectedKill:
     def after_step(self, step: int) -> None:
         if step == self.step:
             get_logger().warning(f"{KILL_ENV}: killing this process (SIGKILL) after step {step}")
+            if os.environ.get(KILL_LOG_ENV):
+                with open(os.environ[KILL_LOG_ENV], "a") as fh:
+                    fh.write(f"{attempt_number()} {step} {time.time()}\n")
             os.kill(os.getpid(), signal.SIGKILL)
