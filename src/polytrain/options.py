@@ -70,6 +70,12 @@ def register_section(name: str, title: str, *, order: int = 50) -> Callable[[typ
     return register
 
 
+def section_defaults(name: str) -> Any:
+    """A fresh instance of section ``name``'s dataclass, with every default (None: no such section)."""
+    section = _SECTIONS.get(name)
+    return section.cls() if section is not None else None
+
+
 def registered_sections() -> list[Section]:
     return sorted(_SECTIONS.values(), key=lambda s: (s.order, s.name))
 

@@ -30,6 +30,7 @@ from torch import nn
 from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
+from polytrain.options import section_defaults
 from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 
@@ -48,8 +49,8 @@ class Strategy:
     config_section: ClassVar[str] = ""
 
     def __init__(self, topology: Topology, options: Any = None):
+        self.options = self.options_or_defaults(options)  # before arrange(), which may read them
         self.topology = self.arrange(topology)
-        self.options = options
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.recipe = StepRecipe()
@@ -57,6 +58,11 @@ class Strategy:
         self.traffic = Traffic()
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
         self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
+
+    @classmethod
+    def options_or_defaults(cls, options: Any = None) -> Any:
+        """``options``, or the defaults of the strategy's config section (None if it has none)."""
+        return options if options is not None else section_defaults(cls.config_section)
 
     # -- layout, checked before any process starts -------------------------------------------------
 

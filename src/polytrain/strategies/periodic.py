@@ -78,7 +78,7 @@ class LocalSGD(Strategy):
     config_section = "periodic"
 
     def __init__(self, topology: Any, options: PeriodicConfig | None = None):
-        super().__init__(topology, options or PeriodicConfig())
+        super().__init__(topology, options)
         self._dirty = False  # steps taken since the replicas last met: they may differ
         self._waited = 0.0
 

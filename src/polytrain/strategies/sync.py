@@ -67,7 +67,7 @@ class SyncDataParallel(Strategy):
     config_section = "sync"
 
     def __init__(self, topology: Any, options: SyncConfig | None = None):
-        super().__init__(topology, options or SyncConfig())
+        super().__init__(topology, options)
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None

@@ -74,8 +74,7 @@ class AsyncParameterServer(Strategy):
     config_section = "async"
 
     def __init__(self, topology: Topology, options: AsyncConfig | None = None):
-        self.options = options or AsyncConfig()  # arrange() needs the server count before the base sets it
-        super().__init__(topology, self.options)
+        super().__init__(topology, options)
         self.policy = StalenessPolicy(self.options.staleness)
         self.clock = 0  # this worker's next push (its own count; tells a retried push from a new one)
         self.step = 0  # the trainers' next step: every trainer is at the same one at log/eval/checkpoint points
@@ -91,7 +90,7 @@ class AsyncParameterServer(Strategy):
 
     @classmethod
     def processes(cls, workers: int, options: Any = None) -> int:
-        return workers + (options or AsyncConfig()).servers
+        return workers + cls.options_or_defaults(options).servers
 
     @classmethod
     def data_slices(cls, workers: int, options: Any = None) -> int:
@@ -99,12 +98,12 @@ class AsyncParameterServer(Strategy):
 
     @classmethod
     def rank_names(cls, workers: int, options: Any = None) -> list[str]:
-        layout = Layout(workers, (options or AsyncConfig()).servers)
+        layout = Layout(workers, cls.options_or_defaults(options).servers)
         return [layout.name(rank) for rank in range(layout.world_size)]
 
     @classmethod
     def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        opts = options or AsyncConfig()
+        opts = cls.options_or_defaults(options)
         if opts.tolerate_worker_loss:
             raise ConfigError("--tolerate-worker-loss: not supported yet by --strategy async (a lost worker "
                               "stops the job, naming its rank); leave it out")
