@@ -204,8 +204,8 @@ def _workers(namespace: str) -> list[int]:
             and "torch.distributed.run" not in cmdline(p)]
 
 
-DETECTION_BOUND_S = 25.0  # --heartbeat-timeout's default (8 s) plus a beat and a loaded machine's slack
-EXIT_BOUND_S = 45.0  # the node's torchrun agent after its worker: it stops the worker and the rendezvous
+DETECTION_BOUND_S = 20.0  # issue 17: within ~10-20 s; --heartbeat-timeout's default is 8 s
+EXIT_BOUND_S = 30.0  # the node's torchrun agent, once its worker ended: it reaps it and closes the rendezvous
 
 
 def test_a_cut_link_ends_both_nodes_naming_the_lost_peer(hosts, cli_env, tmp_path):
@@ -244,10 +244,19 @@ def test_a_cut_link_ends_both_nodes_naming_the_lost_peer(hosts, cli_env, tmp_pat
     assert codes[0] not in (None, 0), (codes, out_a)
     assert alive(_pids_in(a.namespace)) == [], [cmdline(p) for p in alive(_pids_in(a.namespace))]
 
-    # node B loses rank 0 and the store with it
-    b_ok = (ended.get("b", float("inf")) <= DETECTION_BOUND_S and codes[1] not in (None, 0)
-            and ("rank 0" in out_b or a.address in out_b) and alive(_pids_in(b.namespace)) == [])
-    if not b_ok:
-        pytest.xfail(f"node B (cut off from the store) did not end within {DETECTION_BOUND_S:g} s naming the "
-                     f"peer: worker ended after {ended.get('b')}, torchrun code {codes[1]}; the heartbeat's "
-                     "store call over a vanished link blocks in recv() beyond the store's timeout")
+    # node B loses rank 0 and the store with it; known gaps (kept visible, not hidden):
+    # - the heartbeat's store calls (TCPStore add/multi_get) over a link that vanished without a reset block
+    #   in recv() whatever the store's timeout says, so B's worker never notices (and blocks again saying
+    #   goodbye when its collective times out);
+    # - torchrun's agent on B polls the store (num_nodes_waiting) from its main loop and blocks there the same
+    #   way, so even a worker that exits is never reaped and the agent, deaf to SIGTERM, stays until SIGKILL.
+    gaps = []
+    if ended.get("b", float("inf")) > DETECTION_BOUND_S:
+        gaps.append(f"B's worker still ran {DETECTION_BOUND_S:g} s after the cut")
+    elif "rank 0" not in out_b and a.address not in out_b:
+        gaps.append(f"B's worker ended without naming rank 0 or {a.address}: {out_b[-500:]}")
+    if codes[1] in (None, 0):
+        gaps.append(f"B's torchrun {'still ran' if codes[1] is None else 'exited 0'} {EXIT_BOUND_S:g} s after the cut")
+    if gaps:
+        pytest.xfail("; ".join(gaps))
+    assert alive(_pids_in(b.namespace)) == [], [cmdline(p) for p in alive(_pids_in(b.namespace))]
