@@ -381,7 +381,17 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, b
         torch.cuda.set_device(resolved)
     chosen = backend if backend != "auto" else default_backend(resolved)
     delta = timedelta(seconds=timeout)
-    dist.init_process_group(chosen, timeout=delta)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent store outlives a restart, and so do the addresses the dead workers published in
+        # it: a restarted worker could read one and fail to connect (seen on torch 2.13 with --standalone);
+        # keys of this restart's own
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
+                              timeout=delta)
+        store = dist.PrefixStore(f"polytrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+                                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=delta)
+    else:
+        dist.init_process_group(chosen, timeout=delta)
     topology = Topology(rank, world, local_rank, local_world, resolved, chosen, dist.group.WORLD, delta)
     # keys of their own per run and per restart: torchrun's store outlives a restart of the workers
     prefix = (f"polytrain/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
