@@ -83,3 +83,36 @@ def test_settings_a_restart_cannot_work_with_are_one_line(tmp_path, settings, me
         settings = dict(settings, checkpoint_dir=str(tmp_path / "c"))
     with pytest.raises(ConfigError, match=message):
         polytrain.fit(**dict(BASE, checkpoint_every=0, **settings))
+
+
+def test_the_command_line_summary_lists_the_restarts_and_their_causes():
+    from polytrain.cli.train import format_summary
+
+    summary = dict(steps=20, wall_s=3.0, strategy="sync", workers=2, examples_per_sec=100.0, train_loss=0.5,
+                   restarts=1, restart_causes=[dict(cause="worker rank 1 was killed by signal SIGKILL", after_s=1.4)])
+    assert format_summary(summary).splitlines()[-1] == \
+        "  restarts: 1 (worker rank 1 was killed by signal SIGKILL (after 1 s))"
+    assert "restarts" not in format_summary(dict(summary, restarts=0))
+
+
+@pytest.mark.slow  # ~20 s: two torchrun attempts of fresh processes, and the uninterrupted run
+def test_under_torchrun_its_restart_resumes_from_the_checkpoint(tmp_path, cli_env):
+    """torchrun --max-restarts 1: rank 1 killed after step 7; torchrun's restart resumes step 4's checkpoint by
+    itself and the saved model equals an uninterrupted polytrain run's."""
+    import subprocess
+    import sys
+
+    args = ["--strategy", "sync", "--steps", "12", "--checkpoint-every", "4", "--data", "digits", "--model",
+            "mlp:hidden=16", "--batch-size", "32", "--progress", "off", "--eval-every", "0", "--lr", "0.05"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "1", "-m", "polytrain", "train", *args]
+    env = dict(cli_env, **{KILL_ENV: "rank=1,steps=7"})
+    run = subprocess.run(torchrun + ["--checkpoint-dir", str(tmp_path / "c"), "--save-model", str(tmp_path / "t.pt")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "torchrun restart 1: resuming from the latest checkpoint" in run.stderr
+    assert "resumed from step 4" in run.stdout + run.stderr and "restarts: 1" in run.stdout
+    polytrain.fit(save_model=str(tmp_path / "whole.pt"), workers=2, **dict(zip(
+        [a[2:].replace("-", "_") for a in args[::2]], args[1::2])))
+    whole, restarted = (torch.load(tmp_path / n, weights_only=True) for n in ("whole.pt", "t.pt"))
+    assert all(torch.equal(whole[k], restarted[k]) for k in whole)

@@ -18,7 +18,8 @@ trainer rank in one one-element all-reduce there, so they all checkpoint the sam
 
 ``POLYTRAIN_INJECT_KILL="rank=R,steps=A+B+..."`` (for tests and the goodput benchmark, not a setting): global
 rank R SIGKILLs itself after step A in the first attempt, after step B in the second, and so on (first
-appending the time to the file ``POLYTRAIN_INJECT_KILL_LOG`` names, if set).
+appending the time to the file ``POLYTRAIN_INJECT_KILL_LOG`` names, if set); ``,signal=SIGSTOP`` freezes it
+instead (a machine that stopped answering: only the heartbeat notices).
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def check_restarts(config: RunConfig) -> None:
 def _under_torchrun(config: RunConfig, run_once: Any, model: Any, data: Any) -> dict[str, Any] | None:
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if count and config.checkpoint.checkpoint_dir and not config.checkpoint.resume:
-        get_logger().warning(f"torchrun restart {count}: resuming from the latest checkpoint in "
-                             f"{config.checkpoint.checkpoint_dir}")
+        if os.environ.get("RANK", "0") == "0":  # before the workers' logging is set up: say it once
+            get_logger().warning(f"torchrun restart {count}: resuming from the latest checkpoint in "
+                                 f"{config.checkpoint.checkpoint_dir}")
         config = copy.deepcopy(config)
         config.checkpoint.resume = True
     summary = run_once(config, model=model, data=data)
@@ -245,9 +247,11 @@ def agree_with_rank0(topology: Any) -> Any:
 
 @dataclass
 class InjectedKill:
-    """``POLYTRAIN_INJECT_KILL``: this rank SIGKILLs itself after ``step`` (None: never)."""
+    """``POLYTRAIN_INJECT_KILL``: this rank sends itself ``signal`` (SIGKILL; SIGSTOP: a frozen machine)
+    after ``step`` (None: never)."""
 
     step: int | None = None
+    signal: str = "SIGKILL"
 
     @classmethod
     def from_env(cls, rank: int) -> "InjectedKill":
@@ -258,15 +262,17 @@ class InjectedKill:
             fields = dict(item.split("=", 1) for item in spec.split(","))
             steps = [int(s) for s in fields["steps"].split("+")]
             target = int(fields["rank"])
+            sig = fields.get("signal", "SIGKILL")
+            signal.Signals[sig]
         except (KeyError, ValueError) as exc:
-            raise ConfigError(f"{KILL_ENV}={spec!r}: expected rank=R,steps=A+B+... ({exc})") from None
+            raise ConfigError(f"{KILL_ENV}={spec!r}: expected rank=R,steps=A+B+...[,signal=SIGSTOP] ({exc})") from None
         attempt = attempt_number()
-        return cls(steps[attempt] if rank == target and attempt < len(steps) else None)
+        return cls(steps[attempt] if rank == target and attempt < len(steps) else None, sig)
 
     def after_step(self, step: int) -> None:
         if step == self.step:
-            get_logger().warning(f"{KILL_ENV}: killing this process (SIGKILL) after step {step}")
+            get_logger().warning(f"{KILL_ENV}: sending this process {self.signal} after step {step}")
             if os.environ.get(KILL_LOG_ENV):
                 with open(os.environ[KILL_LOG_ENV], "a") as fh:
                     fh.write(f"{attempt_number()} {step} {time.time()}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.Signals[self.signal])
