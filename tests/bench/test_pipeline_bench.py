@@ -5,7 +5,7 @@ import random
 import pytest
 
 from polytrain.bench.pipeline import (BALANCE_TARGET, PipelineBenchConfig, Run, balance_ratio, cases,
-                                      split_balance)
+                                      running_order, split_balance)
 from polytrain.bench.pipeline_report import format_markdown, format_text, result_document
 from polytrain.errors import ConfigError
 
@@ -57,26 +57,32 @@ def test_the_balance_check_judges_the_chosen_split_on_a_second_profile():
     assert result["met"] == (result["ratio"] <= 1.25)
 
 
-def test_rows_pair_each_pipeline_run_with_single_in_its_repeat():
-    cfg = PipelineBenchConfig(schedules=("gpipe",), microbatches=(2, 8), repeats=2)
+def test_single_runs_every_few_cases_and_each_run_is_compared_with_the_single_runs_around_it():
+    cfg = PipelineBenchConfig(schedules=("gpipe",), microbatches=(2, 8), repeats=2, reference_every=2)
     chosen, skipped = cases(cfg)
-    runs = [Run("single", 0, 100.0, step_s=0.3), Run("single", 1, 50.0, step_s=0.6),
-            Run("ceiling", 0, 90.0, step_s=0.3), Run("ceiling", 1, 50.0, step_s=0.6),
-            Run("gpipe_m2", 0, 120.0, [0.1, 0.1], [0.05, 0.03], 0.25), Run("gpipe_m2", 1, 70.0, [0.2, 0.1],
-                                                                           [0.1, 0.05], 0.4),
-            Run("gpipe_m8", 0, 160.0, [0.1, 0.1], [0.02, 0.02], 0.2), Run("gpipe_m8", 1, 80.0, [0.1, 0.1],
-                                                                          [0.02, 0.02], 0.4)]
+    order = [(r, c.key) for r, c in running_order(chosen, cfg.repeats, cfg.reference_every)]
+    assert order == [(0, "single"), (0, "ceiling"), (0, "gpipe_m2"), (0, "single"), (0, "gpipe_m8"),
+                     (1, "gpipe_m2"), (1, "single"), (1, "gpipe_m8"), (1, "ceiling"), (1, "single")]
+    rates = {1: 100.0, 2: 90.0, 3: 120.0, 4: 140.0, 5: 240.0, 6: 70.0, 7: 60.0, 8: 80.0, 9: 50.0, 10: 40.0}
+    busy = {3: [0.1, 0.1], 5: [0.1, 0.1], 6: [0.2, 0.1], 8: [0.1, 0.1]}
+    idle = {3: [0.05, 0.03], 5: [0.02, 0.02], 6: [0.1, 0.05], 8: [0.02, 0.02]}
+    runs = [Run(key, r, rates[i], busy.get(i, []), idle.get(i, []), 0.3, position=i)
+            for i, (r, key) in enumerate(order, 1)]
     doc = result_document(cfg, chosen, skipped, runs, [])
     rows = {r["case"]: r for r in doc["rows"]}
-    assert rows["gpipe_m2"]["speedup_per_repeat"] == pytest.approx([1.2, 1.4])
-    assert rows["gpipe_m2"]["speedup"] == pytest.approx(1.3)
-    assert rows["gpipe_m2"]["efficiency"] == pytest.approx(1.3 / (4 / 3), abs=1e-4)
+    assert rows["single"]["runs_examples_per_sec"] == [100, 140, 60, 40]
+    # gpipe M=2 ran 3rd (single 100 before, 140 after) and 6th (single 140 before, 60 after)
+    assert rows["gpipe_m2"]["speedup_per_repeat"] == pytest.approx([120 / 120, 70 / 100])
+    assert rows["gpipe_m2"]["speedup"] == pytest.approx(0.85)
+    assert rows["gpipe_m2"]["efficiency"] == pytest.approx(0.85 / (4 / 3), abs=1e-4)
     assert rows["gpipe_m2"]["rank_busy_s"] == pytest.approx([0.15, 0.1])  # medians over repeats, per rank
     assert rows["gpipe_m2"]["rank_bubble"] == pytest.approx([0.075 / 0.225, 0.04 / 0.14], abs=1e-4)
     assert "target" not in rows["gpipe_m2"]
-    # two processes at once ran at 0.9 and 1.0 x single's rate: against that, 120/90 and 70/50
-    assert rows["ceiling"]["per_process_vs_single_per_repeat"] == pytest.approx([0.9, 1.0])
-    assert rows["gpipe_m2"]["efficiency_at_ceiling"] == pytest.approx((120 / 90 + 70 / 50) / 2 / (4 / 3), abs=1e-4)
-    # the bar: M=8, P=2, at least 0.85 x 16/9 = 1.511
-    assert rows["gpipe_m8"]["speedup"] == pytest.approx(1.6) and rows["gpipe_m8"]["met"] is True
-    assert "met" in format_text(doc) and "| gpipe, P=2, M=8 | 120.0 | 1.600 | 1.778 |" in format_markdown(doc)
+    # two processes at once, each against the single runs around it: 90/((100+140)/2), 50/((60+40)/2)
+    assert rows["ceiling"]["per_process_vs_single_per_repeat"] == pytest.approx([0.75, 1.0])
+    # against the ceiling runs around it (90 and 50, for both): 120/70, 70/70
+    assert rows["gpipe_m2"]["efficiency_at_ceiling"] == pytest.approx((120 / 70 + 1) / 2 / (4 / 3), abs=1e-4)
+    # the bar: M=8, P=2, at least 0.85 x 16/9 = 1.511: 240/((140+60)/2), 80/((60+40)/2)
+    assert rows["gpipe_m8"]["speedup_per_repeat"] == pytest.approx([2.4, 1.6], abs=1e-4)
+    assert rows["gpipe_m8"]["met"] is True
+    assert "met" in format_text(doc) and "| gpipe, P=2, M=8 | 160.0 | 2.000 | 1.778 |" in format_markdown(doc)

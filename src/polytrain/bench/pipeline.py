@@ -48,10 +48,11 @@ class PipelineBenchConfig:
     seed: int = 0
     timeout: float = 300.0
     balance_stages: tuple[int, ...] = (2, 4)  # stage counts whose automatic split is checked
+    reference_every: int = 4  # single runs again after this many other runs (see running_order)
 
     def check(self) -> None:
         """Raise ConfigError naming the bad setting before anything starts."""
-        for name in ("batch_size", "warmup", "steps", "repeats"):
+        for name in ("batch_size", "warmup", "steps", "repeats", "reference_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.stages < 2:
@@ -131,6 +132,7 @@ class Run:
     idle: list[float] = field(default_factory=list)  # per rank, the rest of the schedule's step
     step_s: float = 0.0
     split: list[list[str]] | None = None
+    position: int = 0  # in the running order
 
 
 def run_case(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:
@@ -189,16 +191,32 @@ def _per_rank(records: list[dict[str, Any]], key: str, steps: int) -> list[float
     return [sum(values) / steps for values in zip(*columns)] if columns else []
 
 
+def running_order(chosen: list[PipelineCase], repeats: int, every: int) -> list[tuple[int, PipelineCase]]:
+    """(repeat, case) in running order: the cases after ``single`` interleaved over the repeats (each repeat
+    starting one case later), with ``single`` run first, after every ``every`` of them, and last. Each run
+    is then compared with the single runs just before and after it: on a shared machine whose load swings
+    within minutes, a single run one repeat (twenty runs) away says little about the moment a case ran."""
+    single, others = chosen[0], chosen[1:]
+    order = []
+    for i, (repeat, case) in enumerate(interleaved(others, repeats)):
+        if i % every == 0:
+            order.append((repeat, single))
+        order.append((repeat, case))
+    order.append((repeats - 1, single))
+    return order
+
+
 def run_suite(cfg: PipelineBenchConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     from polytrain.bench.pipeline_report import result_document
 
     cfg.check()
     chosen, skipped = cases(cfg)
-    order = interleaved(chosen, cfg.repeats)
+    order = running_order(chosen, cfg.repeats, cfg.reference_every)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="polytrain-bench-pipeline-") as tmp:
         for i, (repeat, case) in enumerate(order, 1):
             run = run_case(case, cfg, repeat, Path(tmp))
+            run.position = i
             runs.append(run)
             progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {run.examples_per_sec:.1f} examples/s")
     progress("profiling the automatic split ...")

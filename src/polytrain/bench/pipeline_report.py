@@ -1,7 +1,8 @@
 """The pipeline suite's rows, verdicts and outputs: a text table, Markdown and a PNG plot.
 
-Speed-ups are medians of per-repeat ratios (each pipeline run against the ``single`` run of the same
-repeat, minutes apart at most); each stage's busy and idle seconds per step are medians over repeats.
+Speed-ups are medians over repeats of each pipeline run's rate over that of the ``single`` runs just
+before and after it (``single`` runs every few cases); each stage's busy and idle seconds per step are
+medians over repeats.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ def _median_columns(lists: list[list[float]]) -> list[float]:
     return [statistics.median(column) for column in zip(*lists)] if lists and lists[0] else []
 
 
+def reference_rate(run: Run, references: list[Run]) -> float:
+    """The mean rate of the reference runs (single's, the ceiling's) just before and just after ``run``
+    (the one on its side alone at an end)."""
+    before = [r for r in references if r.position < run.position]
+    after = [r for r in references if r.position > run.position]
+    near = ([before[-1]] if before else []) + ([after[0]] if after else [])
+    return statistics.mean(r.examples_per_sec for r in near)
+
+
 def case_row(case: PipelineCase, mine: list[Run], single: list[Run], ceiling: list[Run]) -> dict[str, Any]:
     rates = [r.examples_per_sec for r in mine]
     row: dict[str, Any] = {"case": case.key, "label": case.label, "strategy": case.strategy,
@@ -31,8 +41,7 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run], ceiling: li
                            "step_s": round(statistics.median(r.step_s for r in mine), 5)}
     if case.strategy == "single":
         return row
-    by_repeat = {r.repeat: r.examples_per_sec for r in single}
-    paired = [r.examples_per_sec / by_repeat[r.repeat] for r in mine]
+    paired = [r.examples_per_sec / reference_rate(r, single) for r in mine]
     if case.strategy == "ceiling":  # each process's rate against single's: 1 when P cores are P x one core
         row.update({"per_process_vs_single": round(statistics.median(paired), 4),
                     "per_process_vs_single_per_repeat": [round(v, 4) for v in paired]})
@@ -52,8 +61,7 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run], ceiling: li
         "split": mine[-1].split,
     })
     if ceiling:  # against one process as fast as each of P busy ones: the pipeline's own losses only
-        per_process = {r.repeat: r.examples_per_sec for r in ceiling}
-        at_ceiling = statistics.median(r.examples_per_sec / per_process[r.repeat] for r in mine)
+        at_ceiling = statistics.median(r.examples_per_sec / reference_rate(r, ceiling) for r in mine)
         row["efficiency_at_ceiling"] = round(at_ceiling / theory, 4)
     if case.microbatches == TARGET_MICROBATCHES and case.stages == 2:
         row.update({"target": EFFICIENCY_TARGET, "met": speedup >= EFFICIENCY_TARGET * theory})
@@ -63,7 +71,7 @@ def case_row(case: PipelineCase, mine: list[Run], single: list[Run], ceiling: li
 def result_document(cfg: PipelineBenchConfig, chosen: list[PipelineCase], skipped: list[str], runs: list[Run],
                     balance: list[dict[str, Any]]) -> dict[str, Any]:
     def of(key: str) -> list[Run]:
-        return sorted((r for r in runs if r.case == key), key=lambda r: r.repeat)
+        return sorted((r for r in runs if r.case == key), key=lambda r: r.position)
 
     rows = [case_row(c, of(c.key), of("single"), of("ceiling")) for c in chosen]
     return {"suite": "pipeline", "config": cfg.to_dict(), "env": environment(), "rows": rows, "skipped": skipped,
@@ -126,7 +134,8 @@ def format_text(doc: dict[str, Any]) -> str:
 
 def format_markdown(doc: dict[str, Any]) -> str:
     lines = [_header(doc) + ".", "",
-             "Speed-up: pipeline examples/s over single's in the same repeat (median of repeats). Theoretical: "
+             "Speed-up: pipeline examples/s over that of the single runs just before and after it (median of "
+             "repeats). Theoretical: "
              "P·vM/(vM+P−1). Efficiency: measured/theoretical. Bubble: theoretical (P−1)/(vM+P−1), simulated "
              "with unit costs (`polytrain plan`), measured per stage as idle/(busy+idle) inside the schedule. "
              "Ceiling: P processes training independently at once, each one's rate over single's; efficiency at "
