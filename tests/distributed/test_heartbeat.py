@@ -135,6 +135,42 @@ def test_a_failure_is_told_at_once_not_after_the_bound():
         server.close()
 
 
+def _host_store(port_out):
+    server = StoreServer(timedelta(seconds=30))
+    port_out.put(server.port)
+    time.sleep(120)  # until stopped and killed by the test
+
+
+def test_a_store_that_stops_answering_is_reported_even_if_a_call_blocks():
+    """The store's host frozen (SIGSTOP: its connections stay open and silent, as when its machine leaves the
+    network): every heartbeat reports the store within twice the bound plus slack."""
+    ctx = _start_context()
+    ports = ctx.SimpleQueue()
+    host = ctx.Process(target=_host_store, args=(ports,))
+    host.start()
+    try:
+        port = ports.get()
+        lost, seen = [], threading.Event()
+
+        def on_lost(error):
+            lost.append(error)
+            seen.set()
+
+        beats = [Heartbeat(connect_store("127.0.0.1", port, timedelta(seconds=10)), rank, 2, timeout=1.0,
+                           on_lost=on_lost).start() for rank in range(2)]
+        time.sleep(0.5)
+        os.kill(host.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        assert seen.wait(20)
+        assert time.monotonic() - frozen < 2 * 1.0 + 3.0
+        assert lost[0].rank is None and ("the rendezvous store has not answered for" in str(lost[0])
+                                         or "the rendezvous store stopped answering" in str(lost[0]))
+        del beats
+    finally:
+        host.kill()
+        host.join()
+
+
 def _freeze_rank_2(ctx):
     if ctx.rank == 2:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -76,6 +76,7 @@ class Heartbeat:
         self._ended = False
         self._lost = False  # the thread is reporting a loss (the process is about to end)
         self._thread: threading.Thread | None = None
+        self._contact = time.monotonic()  # the last answer from the store
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
@@ -90,6 +91,9 @@ class Heartbeat:
         self.store.add(self._keys[self.rank], 1)
         self._thread = threading.Thread(target=self._run, name=f"polytrain-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
+        # a store call to a machine that vanished may block without ever failing: a second thread watches
+        # the first one's last contact with the store
+        threading.Thread(target=self._guard, name=f"polytrain-heartbeat-guard-{self.rank}", daemon=True).start()
         return self
 
     def goodbye(self) -> None:
@@ -137,7 +141,7 @@ class Heartbeat:
             try:
                 self.store.add(self._keys[self.rank], 1)
                 values = [int(v) for v in self.store.multi_get(self._keys)]
-                store_since = None
+                store_since, self._contact = None, time.monotonic()
             except Exception as exc:  # DistStoreError, a closed connection: the store's host may be gone
                 store_since = store_since or now
                 if now - store_since > self.timeout:
@@ -155,6 +159,21 @@ class Heartbeat:
             error = self._check(values, seen, moved, now, started)
             if error is not None:
                 self._lose(error)
+                return
+
+    def _guard(self) -> None:
+        bound = 2 * self.timeout
+        last_tick = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            if now - last_tick > self.timeout / 2:  # this process was paused, not the store
+                self._contact = now
+            last_tick = now
+            silent = now - self._contact
+            if silent > bound:
+                self._lose(PeerLostError(
+                    f"the rendezvous store has not answered for {silent:.1f} s; the process that hosts it (the "
+                    "launcher, or torchrun's agent on the first machine) is gone or unreachable"))
                 return
 
     def _check(self, values: list[int], seen: list[int], moved: list[float], now: float,
