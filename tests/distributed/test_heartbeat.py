@@ -150,13 +150,13 @@ def test_a_store_that_stops_answering_is_reported_even_if_a_call_blocks():
     host.start()
     try:
         port = ports.get()
-        lost, seen = [], threading.Event()
+        lost, seen, beats = [], threading.Event(), []
 
         def on_lost(error):
             lost.append(error)
             seen.set()
 
-        beats = [Heartbeat(connect_store("127.0.0.1", port, timedelta(seconds=10)), rank, 2, timeout=1.5,
+        beats += [Heartbeat(connect_store("127.0.0.1", port, timedelta(seconds=10)), rank, 2, timeout=1.5,
                            on_lost=on_lost).start() for rank in range(2)]
         time.sleep(0.5)
         os.kill(host.pid, signal.SIGSTOP)
@@ -165,10 +165,11 @@ def test_a_store_that_stops_answering_is_reported_even_if_a_call_blocks():
         assert time.monotonic() - frozen < 2 * 1.5 + 3.0
         assert lost[0].rank is None and ("the rendezvous store has not answered for" in str(lost[0])
                                          or "the rendezvous store stopped answering" in str(lost[0]))
-        del beats
     finally:
         host.kill()
         host.join()
+    for beat in beats:
+        beat.goodbye()  # stops its threads
 
 
 def _freeze_rank_2(ctx):

@@ -74,7 +74,6 @@ class Heartbeat:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread reports a loss, or the owner stops it: one of the two
         self._ended = False
-        self._lost = False  # the thread is reporting a loss (the process is about to end)
         self._thread: threading.Thread | None = None
         self._contact = time.monotonic()  # the last answer from the store
 
@@ -108,15 +107,14 @@ class Heartbeat:
 
     def _end(self, mark: int) -> None:
         with self._lock:
-            lost, already = self._lost, self._ended
-            self._ended = True
-        if lost and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()  # the loss is being reported and this process ended: do not race its report
-        if already:
-            return
+            already, self._ended = self._ended, True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
+            # (a loss being reported ends the process meanwhile: then this never returns, and the owner
+            # does not race the thread's report)
             self._thread.join(self.interval + 5.0)
+        if already:
+            return
         with contextlib.suppress(Exception):
             self.store.add(self._keys[self.rank], mark)
 
@@ -202,7 +200,7 @@ class Heartbeat:
         with self._lock:
             if self._ended:  # the owner ended this rank normally meanwhile: nothing to report
                 return
-            self._ended = self._lost = True
+            self._ended = True
         self.on_lost(error)
 
     def _describe(self, rank: int) -> str:
