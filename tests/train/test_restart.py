@@ -44,6 +44,7 @@ def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterr
     monkeypatch.setenv(KILL_ENV, f"rank={rank},steps={step}")
     summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1)
     assert summary["steps"] == STEPS and summary["restarts"] == 1, f"killed after step {step}"
+    assert summary["total_wall_s"] > summary["wall_s"]
     (cause,) = summary["restart_causes"]
     assert cause["rank"] == rank and f"rank {rank} was killed by signal SIGKILL" in cause["cause"]
     resumed = (step - 1) // 4 * 4  # the kill comes before step's own checkpoint; none before step 4: from 0
@@ -89,9 +90,10 @@ def test_the_command_line_summary_lists_the_restarts_and_their_causes():
     from polytrain.cli.train import format_summary
 
     summary = dict(steps=20, wall_s=3.0, strategy="sync", workers=2, examples_per_sec=100.0, train_loss=0.5,
-                   restarts=1, restart_causes=[dict(cause="worker rank 1 was killed by signal SIGKILL", after_s=1.4)])
+                   restarts=1, restart_causes=[dict(cause="worker rank 1 was killed by signal SIGKILL", after_s=1.4)],
+                   total_wall_s=4.26)
     assert format_summary(summary).splitlines()[-1] == \
-        "  restarts: 1 (worker rank 1 was killed by signal SIGKILL (after 1 s))"
+        "  restarts: 1 (worker rank 1 was killed by signal SIGKILL (after 1 s)); 4.3 s in all"
     assert "restarts" not in format_summary(dict(summary, restarts=0))
 
 

@@ -84,4 +84,5 @@ def _restarts_line(summary: dict[str, Any]) -> str:
     if not summary.get("restarts"):
         return ""
     listed = "; ".join(f"{c['cause']} (after {c['after_s']:.0f} s)" for c in causes)
-    return f"\n  restarts: {summary['restarts']}" + (f" ({listed})" if listed else "")
+    total = f"; {summary['total_wall_s']:.1f} s in all" if "total_wall_s" in summary else ""
+    return f"\n  restarts: {summary['restarts']}" + (f" ({listed})" if listed else "") + total

@@ -97,6 +97,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
     if summary is not None and limit:
         summary["restarts"] = len(causes)
         summary["restart_causes"] = causes
+        summary["total_wall_s"] = round(time.monotonic() - started, 3)  # every attempt (wall_s: the last one's loop)
     return summary
 
 
