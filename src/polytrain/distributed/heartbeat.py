@@ -144,9 +144,9 @@ class Heartbeat:
                 store_since = store_since or now
                 if now - store_since > self.timeout:
                     self._lose(PeerLostError(
-                        f"the rendezvous store stopped answering {now - store_since:.1f} s ago ({exc}); the process "
-                        "that hosts it (the launcher, or torchrun's agent on the first machine) is gone or "
-                        "unreachable"))
+                        f"the rendezvous store{self._address()} stopped answering {now - store_since:.1f} s ago "
+                        f"({exc}); the process that hosts it (the launcher, or torchrun's agent on the first "
+                        "machine) is gone or unreachable"))
                     return
                 continue
             if now - last_tick > self.timeout / 2:
@@ -170,8 +170,8 @@ class Heartbeat:
             silent = now - self._contact
             if silent > bound:
                 self._lose(PeerLostError(
-                    f"the rendezvous store has not answered for {silent:.1f} s; the process that hosts it (the "
-                    "launcher, or torchrun's agent on the first machine) is gone or unreachable"))
+                    f"the rendezvous store{self._address()} has not answered for {silent:.1f} s; the process that "
+                    "hosts it (the launcher, or torchrun's agent on the first machine) is gone or unreachable"))
                 return
 
     def _check(self, values: list[int], seen: list[int], moved: list[float], now: float,
@@ -202,6 +202,11 @@ class Heartbeat:
                 return
             self._ended = True
         self.on_lost(error)
+
+    def _address(self) -> str:
+        """`` at HOST:PORT`` of a TCP store (what a survivor cut off from it can check), else nothing."""
+        host, port = getattr(self.store, "host", None), getattr(self.store, "port", None)
+        return f" at {host}:{port}" if host and port else ""
 
     def _describe(self, rank: int) -> str:
         name = self.names[rank] if self.names and rank < len(self.names) else f"rank {rank}"
