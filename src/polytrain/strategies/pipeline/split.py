@@ -97,7 +97,7 @@ def groups(cuts: list[int], count: int) -> list[range]:
 
 def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> tuple[list[float], bool]:
     """Each unit's forward+backward time in milliseconds on one micro-batch (the median of ``repeats``
-    after a warm-up), and whether applying the units in order gives what ``model`` gives (else the model
+    rounds over all units after a warm-up round), and whether applying the units in order gives what ``model`` gives (else the model
     cannot be split this way)."""
     parts = units(model)
     with torch.no_grad():
@@ -108,20 +108,21 @@ def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> tuple[l
         whole = model(sample)
     same = isinstance(x, torch.Tensor) and isinstance(whole, torch.Tensor) and x.shape == whole.shape \
         and torch.allclose(x, whole, rtol=1e-4, atol=1e-5)
-    costs = []
-    for (_, unit), given in zip(parts, inputs):
-        times = []
-        for _ in range(repeats + 1):
+    # round after round over all units, not unit after unit: a burst of load from other processes then
+    # lands on one round of every unit, which the median drops, not on all rounds of a few units
+    times: list[list[float]] = [[] for _ in parts]
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for (_, unit), given, kept in zip(parts, inputs, times):
             x = given.detach().requires_grad_(given.is_floating_point())
             start = time.perf_counter()
             out = unit(x)
             out.backward(torch.ones_like(out))
             if out.device.type == "cuda":
                 torch.cuda.synchronize(out.device)
-            times.append((time.perf_counter() - start) * 1e3)
-        costs.append(statistics.median(times[1:]))
+            if round_:
+                kept.append((time.perf_counter() - start) * 1e3)
     model.zero_grad(set_to_none=True)
-    return costs, same
+    return [statistics.median(kept) for kept in times], same
 
 
 @dataclass(frozen=True)
