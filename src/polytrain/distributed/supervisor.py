@@ -38,14 +38,16 @@ class Failure:
     def priority(self) -> int:
         """Lower is more likely the root cause."""
         if self.error_class == "PeerLostError":  # a survivor reporting another rank's loss: never the cause
-            return 4
+            return 5
         if self.kind == "signal":
             return 0
-        if self.kind == "user" and self.error_class != "CommunicationError":
-            return 1  # a lost connection to a peer is the peer's failure showing, when the peer reported one
+        if self.error_class == "CommunicationError":
+            return 4  # a lost or silent peer: that peer's own failure (an exit, an error), if any, says more
+        if self.kind == "user":
+            return 1
         if self.kind == "exception" and not any(h in self.message.lower() for h in _COMM_HINTS):
             return 2
-        return 5 if self.kind == "stopped" else 3
+        return 6 if self.kind == "stopped" else 3
 
 
 def describe_exception(exc: BaseException) -> dict[str, str]:
