@@ -147,7 +147,8 @@ class ServerBook:
         return self.version()
 
     def admit(self, worker: int, clock: int, ticket: int = -1) -> int | None:
-        """The ticket of a pushed gradient, to be applied; None: a duplicate (recorded and ignored)."""
+        """The ticket of a pushed gradient, to be applied (the push is taken: a retry of it is a duplicate
+        from now on, even while it waits to be applied in order); None: a duplicate (recorded and ignored)."""
         self.known(worker)
         last = self.last_clock[worker]
         if clock <= last:
@@ -161,6 +162,7 @@ class ServerBook:
         if self.tickets.applied(ticket):
             raise CommunicationError(f"{self.name(worker)} pushed slice {ticket} (step "
                                      f"{ticket // self.tickets.per_step}), which is already applied")
+        self.last_clock[worker] = clock
         return ticket
 
     def applied(self, worker: int, clock: int, read_version: int, ticket: int = -1) -> UpdateRecord:
@@ -170,7 +172,7 @@ class ServerBook:
         missed = self.updates - self._read_updates[worker]
         record = UpdateRecord(worker, clock, ticket, read_version, self.version(), missed)  # the version it lands on
         self.updates += 1
-        self.last_clock[worker] = clock
+        self.last_clock[worker] = max(self.last_clock[worker], clock)
         self.tickets.apply(ticket)
         self.records.append(record)
         self.last_staleness[worker] = record.staleness

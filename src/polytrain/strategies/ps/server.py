@@ -67,6 +67,8 @@ class ParameterServer:
         self._snapshot: torch.Tensor | None = None  # bound 0: what pulls of the current global clock get
         self._waiting: list[tuple[int, int, int]] = []  # (kind, worker, step): reads until caught up
         self._tickets: dict[int, int] = {}  # worker -> the ticket its deferred pull answers
+        #: bound 0: slices that came before an earlier one of their step, until it is applied
+        self._held: dict[int, tuple[int, int, int, float, torch.Tensor]] = {}
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -153,6 +155,19 @@ class ParameterServer:
             self._recv_values(torch.empty_like(self.grad), worker)  # drained, not applied
             return
         self._recv_values(self.grad, worker)
+        if self.book.policy.synchronous and ticket != self.book.tickets.finished:
+            # bound 0: a step's slices are applied in slice order, whoever computed them and whenever they
+            # came, so the run is the same every time (and a restart ends bit for bit as the first run would)
+            self._held[ticket] = (worker, clock, read_version, lr, self.grad.clone())
+            return
+        self._apply(worker, clock, read_version, lr, ticket)
+        while self.book.tickets.finished in self._held:
+            ticket = self.book.tickets.finished
+            worker, clock, read_version, lr, grad = self._held.pop(ticket)
+            self.grad.copy_(grad)
+            self._apply(worker, clock, read_version, lr, ticket)
+
+    def _apply(self, worker: int, clock: int, read_version: int, lr: float, ticket: int) -> None:
         if self.scale != 1.0:
             self.grad.mul_(self.scale)
         if not math.isnan(lr):
