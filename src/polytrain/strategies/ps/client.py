@@ -67,7 +67,7 @@ class ParameterClient:
         self.plan.unflatten(self.buffers[0], 0, self.params)
         stales = [stale]
         if self.layout.servers > 1:
-            self._ask(PULL, step, self.layout.server_ranks[1:])
+            self._ask(PULL, ticket // self.layout.workers, self.layout.server_ranks[1:])
             stales.append(self.last_staleness)
         self.last_staleness = max(stales)
         return ticket

@@ -84,6 +84,8 @@ class AsyncParameterServer(Strategy):
         self._lr: float | None = None
         self._waited = 0.0
         self._window = StalenessWindow()
+        self._ahead: int | None = None  # a slice of the trainers' next step, taken before it began
+        self._ahead_loaded = False  # whether the model holds the values pulled for it
         self._global_batch = 0
 
     # -- layout ---------------------------------------------------------------------------------------
@@ -204,26 +206,41 @@ class AsyncParameterServer(Strategy):
         super().set_lr(lr)
 
     def train_step(self, batch: Batch) -> StepResult:
-        """Every slice of ``batch`` (a whole global batch) that this worker gets a ticket for, one by one."""
+        """Every slice of ``batch`` (a whole global batch) that this worker gets a ticket for, one by one.
+
+        Each request (carrying the last slice's push) asks for a slice of this step or the next, so a worker
+        that finds this step's slices all taken gets its next one in the same round trip; a slice of the next
+        step is kept for the next call, its values already pulled (pulled again if a read replaced them)."""
         assert self.model is not None, "call prepare() first"
         self._connect()
-        n, losses, examples = self.layout.workers, [], 0
-        pushed: tuple[int, float | None, int] | None = None  # the last slice's push goes with the next request
-        while (ticket := self._next_slice(batch.step, pushed)) is not None:
-            if ticket // n != batch.step:
-                raise CommunicationError(f"{self.layout.name(self.topology.rank)} got slice {ticket} of step "
-                                         f"{ticket // n} while at step {batch.step}: the workers' steps disagree")
+        n, step, losses, examples = self.layout.workers, batch.step, [], 0
+        ticket, self._ahead = self._ahead, None
+        if ticket is not None and not self._ahead_loaded:
+            self._pull(step)  # evaluation or a checkpoint read the servers since the ticket came
+        if ticket is None:
+            ticket = self._next_slice(step + 1, None)
+        while ticket is not None and ticket // n == step:
             part = Shard(ticket % n, n)
             piece = replace(batch, inputs=part.take(batch.inputs), targets=part.take(batch.targets))
             losses.append(self._gradient(piece))
             examples += len(piece)
-            pushed = (self.clock, self._lr, ticket)
+            ticket = self._next_slice(step + 1, (self.clock, self._lr, ticket))  # carries this slice's push
             self.clock += 1
-        self.step = batch.step + 1
+        if ticket is not None and ticket // n != step + 1:
+            raise CommunicationError(f"{self.layout.name(self.topology.rank)} got slice {ticket} of step "
+                                     f"{ticket // n} while at step {step}: the workers' steps disagree")
+        self._ahead, self._ahead_loaded = ticket, ticket is not None
+        self.step = step + 1
         self.traffic.examples += examples
         # a slice's loss is its share of the step's (as sync's slices); their mean estimates the step's
         loss = torch.stack(losses).mean() if losses else None
         return StepResult(loss, examples)
+
+    def _pull(self, step: int) -> None:
+        started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
+        self.client.pull(step)
+        self._waited += time.perf_counter() - started
+        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
 
     def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None) -> int | None:
         started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
@@ -252,6 +269,7 @@ class AsyncParameterServer(Strategy):
         if self._read_at != self.step:
             self.client.read(self.step)
             self._read_at = self.step
+            self._ahead_loaded = False  # the values pulled for a kept slice are replaced
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
