@@ -111,3 +111,23 @@ def test_wrong_shape_is_explained(tmp_path):
         pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, f)
     with pytest.raises(DataError, match="expected N x 3072"):
         cifar10(tmp_path)
+
+
+def test_a_file_that_is_no_batch_or_has_other_labels_is_named(tmp_path):
+    write_mini_cifar(tmp_path)
+    (tmp_path / "data_batch_2").write_bytes(b"not a pickle")
+    with pytest.raises(DataError, match=f"^cifar10: cannot read {tmp_path / 'data_batch_2'}: .*; is it a CIFAR-10 "
+                                        "python batch file\\?$"):
+        cifar10(tmp_path)
+    write_mini_cifar(tmp_path)
+    with open(tmp_path / "test_batch", "wb") as f:  # CIFAR-100's fine labels go up to 99
+        pickle.dump({b"data": np.zeros((2, 3072), np.uint8), b"labels": [3, 42]}, f)
+    with pytest.raises(DataError, match=f"^cifar10: {tmp_path / 'test_batch'} has labels outside 0..9$"):
+        cifar10(tmp_path)
+
+
+@pytest.mark.parametrize("crop", [0, 33])
+def test_a_crop_outside_the_image_is_refused(tmp_path, crop):
+    write_mini_cifar(tmp_path)
+    with pytest.raises(DataError, match=f"^cifar10: crop must be an integer between 1 and 32, got {crop}$"):
+        cifar10(tmp_path, crop=crop)

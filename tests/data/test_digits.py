@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from polytrain.data.digits import DIGITS_SIZE, TEST_SIZE, digits, load_arrays
+from polytrain.errors import DataError
 
 
 def test_packaged_digits_are_the_uci_set():
@@ -29,3 +31,9 @@ def test_batches_are_unit_range_images():
     assert 0.0 <= x.min() and x.max() <= 1.0
     assert y.dtype == torch.int64
     assert bundle.default_model == "digits_cnn" and bundle.input_shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("test_size", [0, DIGITS_SIZE])
+def test_a_split_without_training_or_test_data_is_refused(test_size):
+    with pytest.raises(DataError, match=rf"^digits: test_size must be between 1 and {DIGITS_SIZE - 1}, got {test_size}$"):
+        digits(test_size=test_size)

@@ -99,3 +99,27 @@ def test_numeric_folder_names_stay_paths(tmp_path, monkeypatch):
     write_mini_cifar(tmp_path / "2024")
     monkeypatch.chdir(tmp_path)
     assert len(build_data("cifar10:2024").train) == 30
+
+
+class _Singles(torch.utils.data.Dataset):
+    """Items that are bare inputs, not (input, target) pairs."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return torch.zeros(2)
+
+
+@pytest.mark.parametrize("train, message", [
+    (TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)), "--data mine: the training dataset is empty"),
+    (_Singles(), "--data mine: examples must be (input, target) pairs, got Tensor"),
+    (TensorDataset(torch.zeros(3, 2), torch.tensor([0, -1, 2])),
+     "--data mine: class targets must be integers >= 0; for a binary task return float 0./1. targets, or pass "
+     "--data-arg num_classes=N"),
+])
+def test_datasets_a_factory_returns_are_checked(user_module, train, message):
+    user_module.bad = lambda: (train, None)
+    with pytest.raises(DataError) as caught:
+        build_data("user_datasets:bad")
+    assert str(caught.value) == message.replace("mine", "user_datasets:bad")

@@ -79,6 +79,8 @@ def test_binary_task_is_the_tower_example():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(shape="big"), "shape"), (dict(classes=1), "classes"), (dict(size=0), "size"),
     (dict(task="regression"), "task must be one of classification, binary"),
+    (dict(test_size=-1), r"^synthetic: test_size must be an integer >= 0, got -1$"),
+    (dict(seed=0.5), r"^synthetic: seed must be an integer, got 0.5$"),
 ])
 def test_bad_arguments_are_named(kwargs, words):
     with pytest.raises(DataError, match=words):

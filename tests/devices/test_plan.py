@@ -38,6 +38,8 @@ def test_bad_flags(flag, message):
 def test_a_list_of_devices_for_one_module_is_refused_from_python():
     with pytest.raises(DeviceError, match="names several devices; a module goes on one device"):
         PlacementPlan.from_mapping({"features": "cuda:0,1"})
+    with pytest.raises(DeviceError, match="^placement: module name 0 must be text$"):
+        PlacementPlan.from_mapping({0: "cpu"})
 
 
 def test_from_toml_top_level_nested_and_quoted(tmp_path):

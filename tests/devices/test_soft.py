@@ -27,6 +27,7 @@ _LIB = torch.library.Library("polytrain_test", "DEF")
 _LIB.define("double_it(Tensor x) -> Tensor")
 _LIB.define("split_sum(Tensor x) -> (Tensor, Tensor)")
 _LIB.define("cpu_broken(Tensor x) -> Tensor")
+_LIB.define("broken_everywhere(Tensor x) -> Tensor")
 
 
 def _no_lazy_kernel(*args, **kwargs):
@@ -42,10 +43,13 @@ _LIB.impl("split_sum", lambda x: (x.sum(), x * 0), "CPU")
 _LIB.impl("cpu_broken", _broken, "CPU")
 _LIB.impl("double_it", _no_lazy_kernel, "Lazy")
 _LIB.impl("split_sum", _no_lazy_kernel, "Lazy")
+_LIB.impl("broken_everywhere", _broken, "CPU")
+_LIB.impl("broken_everywhere", _no_lazy_kernel, "Lazy")
 
 double_it = torch.ops.polytrain_test.double_it
 split_sum = torch.ops.polytrain_test.split_sum
 cpu_broken = torch.ops.polytrain_test.cpu_broken
+broken_everywhere = torch.ops.polytrain_test.broken_everywhere
 
 
 def test_without_soft_placement_the_op_fails_on_its_device(lazy):
@@ -100,6 +104,14 @@ def test_soft_mode_leaves_failures_on_the_cpu_alone(captured):
         with SoftPlacementMode(log=logger):
             cpu_broken(torch.ones(2))
     assert handler.messages() == []  # nothing softer to fall back to
+
+
+def test_an_operator_the_fallback_lacks_too_is_one_error_naming_both(lazy, captured):
+    logger, _ = captured
+    with pytest.raises(DeviceError, match=r"^operator polytrain_test::broken_everywhere is implemented neither for "
+                                          r"lazy:0 nor for cpu: not even on the CPU$"):
+        with SoftPlacementMode(log=logger):
+            broken_everywhere(torch.ones(2, device=lazy))
 
 
 def test_missing_kernel_error_names_the_operator_device_and_available_devices():

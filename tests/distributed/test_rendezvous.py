@@ -61,3 +61,9 @@ def test_closing_the_store_closes_its_socket_once(tmp_path):
         gc.collect()  # nothing left to close the number a second time
         os.fstat(fh.fileno())
         fh.write("still open")
+
+
+def test_listener_on_an_address_of_no_interface_is_one_line():
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): documentation only, held by no interface here
+    with pytest.raises(ConfigError, match=r"^cannot listen on 192\.0\.2\.1:0: \S.*address"):
+        bind_listener("192.0.2.1", 0)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from polytrain.errors import ConfigError
 from polytrain.models.registry import build_model
 
 
@@ -20,3 +21,20 @@ def test_cifar_cnn_has_the_tutorial_size_on_24x24_crops():
     # conv 5x5x3x64 + conv 5x5x64x64 + fc 2304x384 + fc 384x192 + fc 192x10, with biases
     expected = (75 * 64 + 64) + (1600 * 64 + 64) + (2304 * 384 + 384) + (384 * 192 + 192) + (192 * 10 + 10)
     assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def _not_a_module(input_shape, num_classes):
+    return [input_shape, num_classes]
+
+
+@pytest.mark.parametrize("spec, args, message", [
+    ("mlp:64x32", None, "--model: 'mlp:64x32' has positional values; use key=value (e.g. mlp:hidden=64x32)"),
+    ("mlp:hidden=8", {"hidden": (4,)}, "--model: hidden given both in 'mlp:hidden=8' and as --model-arg"),
+    ("mlp:hidden=0", None, "--model mlp:hidden=0: hidden widths must be >= 1, got [0]"),  # the factory's ValueError
+    ("tests.models.test_builtin:_not_a_module", None,
+     "--model tests.models.test_builtin:_not_a_module: the factory returned list, not a torch.nn.Module"),
+])
+def test_bad_model_specs_are_one_line(spec, args, message):
+    with pytest.raises(ConfigError) as caught:
+        build_model(spec, args, input_shape=(4,), num_classes=2)
+    assert str(caught.value) == message

@@ -52,6 +52,9 @@ def test_schedule_prints_its_spec():
     ("exponential:rate=0.1,decay_steps=10,staircase=maybe", "staircase must be true or false"),
     ("cosine:floor=0.1", "unknown argument(s) floor; accepted: min_lr, warmup"),
     ("cosine:warmup=-5", "warmup must be an integer >= 0"),
+    ("cosine:5", "--lr-schedule: write arguments as key=value, e.g. exponential:rate=0.1,decay_steps=1000"),
+    ("exponential:rate=0,decay_steps=10", "--lr-schedule exponential: rate must be a number > 0, got 0"),
+    ("linear:min_lr=-0.1", "--lr-schedule linear: min_lr must be a number >= 0, got -0.1"),
 ])
 def test_bad_specs_name_the_problem(spec, needle):
     with pytest.raises(ConfigError, match=None) as err:

@@ -81,3 +81,14 @@ def test_output_objects_give_their_logits_and_loss():
     for no_loss in (logits, {"logits": logits}, SimpleNamespace(logits=logits, loss=None)):
         with pytest.raises(ConfigError, match="^--loss model: the model returned no loss"):
             model_loss_of(no_loss)
+
+
+def test_a_bundle_naming_an_unknown_task_is_one_line():
+    import polytrain
+    from polytrain.data.base import DataBundle, TensorData
+
+    data = TensorData(torch.randn(8, 3), torch.tensor([0, 1] * 4))
+    bundle = DataBundle(name="t", train=data, test=None, input_shape=(3,), num_classes=2, task="regression")
+    with pytest.raises(ConfigError, match=r"^unknown task 'regression'; accepted: classification, binary, lm$"):
+        polytrain.fit(data=bundle, model="mlp:hidden=4", strategy="single", batch_size=4, steps=1, progress="off",
+                      eval_every=0)

@@ -91,3 +91,16 @@ def test_random_schedules_keep_staleness_within_bound_and_apply_each_step_once(b
     assert summary["max_staleness"] <= bound
     assert summary["max_staleness"] == bound  # these seeded schedules do reach the bound
     assert sorted((r[0], r[1]) for r in summary["records"]) == [(w, c) for w in range(3) for c in range(steps)]
+
+
+def test_protocol_violations_name_the_sender():
+    book = ServerBook([0, 1], StalenessPolicy(0))
+    with pytest.raises(CommunicationError, match="^a message claims to come from rank 5, which is not a worker$"):
+        book.pull(5, 0)
+    assert book.pull(0, 0) and book.pull(1, 0)
+    book.replied(0), book.replied(1)
+    book.admit(0, 0), book.applied(0, 0, 0)
+    assert not book.pull(0, 1)  # deferred: worker 1 has not finished step 0
+    with pytest.raises(CommunicationError,
+                       match="^worker rank 0 asked for step 2 while its pull for step 1 was still waiting$"):
+        book.pull(0, 2)

@@ -71,5 +71,5 @@ def test_flatten_unflatten_round_trip(servers):
 def test_bad_settings_are_one_line_errors():
     with pytest.raises(ConfigError, match="--servers must be >= 1, got 0"):
         PartitionPlan.build([("w", (2,))], 0)
-    with pytest.raises(ConfigError, match="unique"):
+    with pytest.raises(ConfigError, match="^parameter names must be unique to partition them across servers$"):
         PartitionPlan.build([("w", (2,)), ("w", (3,))], 1)

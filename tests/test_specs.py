@@ -1,0 +1,41 @@
+"""The compact spec grammar (``NAME:key=value,...``) and user factories: each malformed spec is one line naming
+the flag and the part that is wrong."""
+
+import re
+
+import pytest
+
+from polytrain.errors import ConfigError
+from polytrain.models.registry import build_model
+from polytrain.specs import call_with_accepted, load_factory, parse_spec
+
+
+@pytest.mark.parametrize("text, message", [
+    ("  ", "--model: empty value; expected NAME or NAME:key=value,..."),
+    (":hidden=8", "--model: ':hidden=8' has no name before ':'"),
+    ("mlp:hidden=8,,act=tanh", "--model: empty item in 'mlp:hidden=8,,act=tanh' (two commas in a row?)"),
+    ("mlp:2x=8", "--model: '2x' in 'mlp:2x=8' is not a valid argument name"),
+    ("mlp:hidden=8,hidden=4", "--model: 'hidden' is given twice in 'mlp:hidden=8,hidden=4'"),
+])
+def test_malformed_specs_name_the_flag_and_the_part(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_spec(text, what="--model")
+
+
+@pytest.mark.parametrize("path, message", [
+    ("polytrain.specs:no_such_factory", "--model: module 'polytrain.specs' has no attribute 'no_such_factory'"),
+    ("polytrain.specs:_INT", "--model: 'polytrain.specs:_INT' is not callable"),  # a compiled regex
+])
+def test_a_factory_path_must_name_a_callable(path, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_factory(path, what="--model")
+    with pytest.raises(ConfigError, match=re.escape(message)):  # and so through --model itself
+        build_model(path, input_shape=(4,), num_classes=2)
+
+
+def test_a_factory_that_refuses_its_arguments_is_one_line():
+    def factory(width: int, depth: int):
+        return width * depth
+
+    with pytest.raises(ConfigError, match=r"^--model mine: .*missing 1 required positional argument: 'depth'$"):
+        call_with_accepted(factory, "--model mine", width=3)
