@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from polytrain.bench.pipeline import (BALANCE_TARGET, PipelineBenchConfig, Run, balance_ratio, cases,
-                                      running_order, split_balance)
+from polytrain.bench.measure import BenchError
+from polytrain.bench.pipeline import (BALANCE_TARGET, PipelineBenchConfig, PipelineCase, Run, balance_ratio, cases,
+                                      run_case, running_order, split_balance)
 from polytrain.bench.pipeline_report import format_markdown, format_text, result_document
 from polytrain.errors import ConfigError
 
@@ -86,3 +87,14 @@ def test_single_runs_every_few_cases_and_each_run_is_compared_with_the_single_ru
     assert rows["gpipe_m8"]["speedup_per_repeat"] == pytest.approx([2.4, 1.6], abs=1e-4)
     assert rows["gpipe_m8"]["met"] is True
     assert "met" in format_text(doc) and "| gpipe, P=2, M=8 | 160.0 | 2.000 | 1.778 |" in format_markdown(doc)
+
+
+def test_one_stage_is_refused_and_a_failing_case_is_named_with_its_error(tmp_path):
+    with pytest.raises(ConfigError, match="^--stages 1: a pipeline needs at least 2 stages$"):
+        PipelineBenchConfig(stages=1).check()
+    cfg = PipelineBenchConfig(model="transformer_lm:layers=2,dim=16,heads=2", data="text:seq_len=16", batch_size=8)
+    case = PipelineCase(key="gpipe_m3", label="pipeline gpipe M=3", strategy="pipeline", schedule="gpipe",
+                        microbatches=3, stages=2)  # refused by the run's own checks, before any process
+    with pytest.raises(BenchError, match="^pipeline gpipe M=3: ConfigError: --microbatches 3 does not divide each "
+                                         "pipeline's batch of 8 examples"):
+        run_case(case, cfg, 0, tmp_path)

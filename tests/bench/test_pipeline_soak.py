@@ -4,7 +4,10 @@ with its workers and reported hung."""
 import os
 import time
 
+import pytest
+
 from polytrain.bench.pipeline_soak import SoakConfig, format_text, run_one, soak_cases
+from polytrain.errors import ConfigError
 
 
 def test_every_configuration_of_the_parity_tests_and_hybrid():
@@ -39,3 +42,9 @@ def _group_ends(pgid, within=10.0):
             return True
         time.sleep(0.1)
     return False
+
+
+@pytest.mark.parametrize("settings", [dict(steps=0), dict(batch_size=0), dict(timeout=0)])
+def test_settings_that_are_not_positive_are_one_line(settings):
+    with pytest.raises(ConfigError, match="^--steps, --batch-size and --timeout must be positive$"):
+        SoakConfig(**settings).check()

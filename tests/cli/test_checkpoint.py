@@ -118,3 +118,18 @@ def test_resume_on_two_workers_continues_from_the_previous_good_checkpoint(run, 
              if r["event"] == "step"}
     resumed = {r["step"]: r["loss"] for r in steps if r["event"] == "step"}
     assert sorted(resumed) == list(range(11, 21)) and all(resumed[s] == whole[s] for s in resumed)
+
+
+def test_export_of_a_checkpoint_without_a_model_or_to_an_unwritable_path_is_one_line(tmp_path, capsys):
+    from polytrain.cli.main import main
+    from polytrain.train.checkpoint import Checkpointer
+
+    hand_made = Checkpointer(tmp_path / "no-model").save({"optimizer": {}}, 1)  # intact, but no model in it
+    assert main(["checkpoint", "export", str(tmp_path / "no-model"), str(tmp_path / "m.pt")]) == 2
+    assert capsys.readouterr().err == f"polytrain: error: checkpoint {hand_made} holds no model state_dict\n"
+    Checkpointer(tmp_path / "ok").save({"model": {"w": torch.ones(2)}}, 1)
+    out = tmp_path / "a-directory"
+    out.mkdir()
+    assert main(["checkpoint", "export", str(tmp_path / "ok"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"polytrain: error: {out}: cannot write the model there (Is a directory)\n"

@@ -25,6 +25,8 @@ def test_specs_parse_names_settings_and_module_paths():
     ("local-sgd:sync_every=", "expected KEY=VALUE"),
     ("sync:workers=4", "workers is shared by every case"),
     ("", "at least one strategy"),
+    ("sync::x=1", r"^--strategies: 'sync::x=1': expected NAME or NAME:KEY=VALUE\[:KEY=VALUE...\] "
+                  r"\(e.g. local-sgd:sync_every=8\)$"),
 ])
 def test_bad_specs_are_one_clear_error(text, message):
     with pytest.raises(ConfigError, match=message):
@@ -90,8 +92,20 @@ def test_repeated_rounds_give_medians_and_each_ratio_is_taken_within_its_round()
     assert table["async"]["fewer_bytes_than_sync"] == 2.0 and table["async"]["accuracy_vs_sync_points"] == -10.0
 
 
-def test_repeats_below_one_is_an_error():
+@pytest.mark.parametrize("settings, message", [
+    (dict(repeats=0), "--repeats must be >= 1, got 0"),
+    (dict(log_every=0), "--log-every must be >= 1, got 0"),
+    (dict(eval_every=15, log_every=10), "--eval-every 15 must be a multiple of --log-every 10"),
+    (dict(target_accuracy=1.5), r"--target-accuracy must be in \(0, 1\], got 1.5"),
+])
+def test_bad_settings_are_one_line(settings, message):
     from polytrain.compare.specs import CompareConfig
 
-    with pytest.raises(ConfigError, match="--repeats must be >= 1, got 0"):
-        CompareConfig(repeats=0).check()
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        CompareConfig(**settings).check()
+
+
+def test_a_malformed_set_is_one_line(tmp_path, capsys):
+    assert main(["compare", "--set", "comm", "--out", str(tmp_path), "--no-plot"]) == 2
+    assert capsys.readouterr().err == "polytrain: error: --set: expected key=value, got 'comm'\n"
+    assert not (tmp_path / "runs").exists()

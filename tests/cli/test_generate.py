@@ -59,6 +59,8 @@ def test_weights_that_do_not_fit_the_model_are_one_line(run_dir, capsys):
     (["--weights", "lm.pt"], "--model is needed with --weights"),
     (["--weights", "missing.pt", "--model", "rnn_lm"], "--weights missing.pt: cannot read it"),
     (["--checkpoint-dir", "nowhere"], "--checkpoint-dir nowhere: no checkpoint there"),
+    (["--weights", "lm.pt", "--model", MODEL, "--model-arg", "dim"], "--model-arg: expected key=value, got 'dim'"),
+    (["--weights", "lm.pt", "--model", MODEL, "--tokens", "-1"], "--tokens must be >= 0, got -1"),
 ])
 def test_bad_sources_are_one_line(run_dir, capsys, monkeypatch, args, message):
     monkeypatch.chdir(run_dir)

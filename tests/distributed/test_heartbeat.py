@@ -187,3 +187,24 @@ def test_the_launcher_names_a_frozen_rank_and_leaves_no_process():
     assert isinstance(info.value, PeerLostError)
     assert time.monotonic() - started < 30
     assert leftover_children(os.getpid()) == []
+
+
+def test_a_rank_that_never_beats_is_named_after_the_start_bound():
+    """A real store and one heartbeat of a world of 2 whose rank 1 never starts."""
+    server = StoreServer(timedelta(seconds=10))
+    try:
+        lost = []
+        seen = threading.Event()
+
+        def on_lost(error):
+            lost.append(error)
+            seen.set()
+
+        watcher = Heartbeat(server.store.clone(), 0, 2, timeout=5.0, interval=0.1, start_timeout=0.5,
+                            on_lost=on_lost).start()
+        assert seen.wait(5)
+        assert lost[0].rank == 1 and isinstance(lost[0], PeerLostError)
+        assert str(lost[0]) == "rank 1 sent no heartbeat within 0.5 s of the start: it did not start, or died starting"
+        watcher.goodbye()
+    finally:
+        server.close()

@@ -133,3 +133,13 @@ def test_bad_settings_are_one_line_before_any_process(settings, message):
     with pytest.raises(ConfigError, match=message) as caught:  # a ConfigError here: raised in this process
         polytrain.fit(**run)
     assert "\n" not in str(caught.value)
+
+
+def _own_loop_pipeline(ctx):
+    return polytrain.strategy("pipeline", ctx)
+
+
+def test_an_own_loop_pipeline_in_one_process_is_one_line():
+    with pytest.raises(ConfigError, match="^--strategy pipeline needs one process per stage; it cannot run in one "
+                                          "process$"):
+        polytrain.launch(_own_loop_pipeline, workers=1)

@@ -112,6 +112,31 @@ def test_transformer_lm_units_and_split_errors():
         check_split(model, 8, "auto")
     with pytest.raises(ConfigError, match="4 stages need 3 split point"):
         check_split(model, 4, "blocks.1")
+    with pytest.raises(ConfigError, match=r"^--split-at blocks.2,blocks.1: split points must be increasing and "
+                                          r"after the first unit \(embed\)$"):
+        check_split(model, 3, "blocks.2,blocks.1")
+    with pytest.raises(ConfigError, match=r"^--split-at embed: split points must be increasing"):
+        check_split(model, 2, "embed")
+
+
+def test_a_model_with_tensors_of_its_own_is_refused():
+    class Scaled(nn.Sequential):
+        def __init__(self):
+            super().__init__(nn.Linear(4, 4), nn.Linear(4, 2))
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(ConfigError, match=r"^the model holds tensors outside its units \(scale\); a pipeline splits "
+                                          "only models whose forward is their children in order$"):
+        check_split(Scaled(), 2, "auto")
+
+
+def test_one_stage_and_no_microbatch_are_one_line(capsys):
+    from polytrain.cli.main import main
+
+    with pytest.raises(ConfigError, match="^--stages 1: a pipeline needs at least 2 stages$"):
+        plan.check_schedule("gpipe", 1, 2)
+    assert main(["plan", "--stages", "2", "--microbatches", "0"]) == 2
+    assert capsys.readouterr().err == "polytrain: error: --microbatches must be >= 1, got 0\n"
 
 
 def test_a_measured_split_is_printed_and_leaves_the_model_as_it_was():

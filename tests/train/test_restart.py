@@ -118,3 +118,25 @@ def test_under_torchrun_its_restart_resumes_from_the_checkpoint(tmp_path, cli_en
         [a[2:].replace("-", "_") for a in args[::2]], args[1::2])))
     whole, restarted = (torch.load(tmp_path / n, weights_only=True) for n in ("whole.pt", "t.pt"))
     assert all(torch.equal(whole[k], restarted[k]) for k in whole)
+
+
+def test_under_torchrun_more_restarts_than_torchrun_has_is_one_line(tmp_path, monkeypatch):
+    from polytrain.config import make_config
+    from polytrain.train.restart import check_restarts
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # what torchrun sets in its workers
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    config = make_config(**BASE, max_restarts=3, checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"^--max-restarts 3: under torchrun the restarts are torchrun's; give "
+                                          r"torchrun --max-restarts 3 \(it has 1\)$"):
+        check_restarts(config)
+
+
+@pytest.mark.parametrize("spec", ["rank=1", "rank=one,steps=3", "rank=1,steps=3,signal=SIGNOPE"])
+def test_a_malformed_kill_hook_is_one_line(monkeypatch, spec):
+    from polytrain.train.restart import InjectedKill
+
+    monkeypatch.setenv(KILL_ENV, spec)
+    with pytest.raises(ConfigError, match=rf"^{KILL_ENV}='{spec}': expected rank=R,steps=A\+B\+...\[,signal=SIGSTOP\] "
+                                          r"\(.+\)$"):
+        InjectedKill.from_env(0)
