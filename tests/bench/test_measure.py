@@ -87,5 +87,5 @@ def test_a_metrics_file_without_the_window_is_an_error(tmp_path):
 def test_a_failing_ddp_run_reports_its_error(tmp_path):
     bad = BenchConfig(data="digits", model="mlp:hidden=notanumber", warmup=1, steps=1)
     ddp = next(c for c in plan(bad, cores=2) if c.key == "ddp")
-    with pytest.raises(BenchError, match="plain PyTorch DDP.*failed"):
+    with pytest.raises(BenchError, match=r"^plain PyTorch DDP, .* failed \(exit code 1\):\n(.|\n)*hidden=notanumber"):
         run_case(ddp, bad, 0, tmp_path)
