@@ -38,6 +38,9 @@ def test_bad_flags(flag, message):
 def test_a_list_of_devices_for_one_module_is_refused_from_python():
     with pytest.raises(DeviceError, match="names several devices; a module goes on one device"):
         PlacementPlan.from_mapping({"features": "cuda:0,1"})
+
+
+def test_a_module_name_that_is_not_text_is_refused_from_python():
     with pytest.raises(DeviceError, match="^placement: module name 0 must be text$"):
         PlacementPlan.from_mapping({0: "cpu"})
 

@@ -110,3 +110,16 @@ def test_a_slow_worker_computes_fewer_slices_and_every_slice_is_applied_once(tmp
     assert fast > slow
     per_rank = [sum(s["rank_batch"][r] for s in _events(tmp_path / "m.jsonl", "step")) for r in (0, 1)]
     assert per_rank[0] > per_rank[1]  # the step records show the same split
+
+
+def _own_loop_async(ctx):
+    return polytrain.strategy("async", ctx)
+
+
+def test_async_in_an_own_loop_of_one_process_is_one_line():
+    from polytrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^--strategy async needs its parameter server processes: run it through "
+                                          "polytrain train or polytrain.fit, which start --workers \\+ --servers "
+                                          "processes$"):
+        polytrain.launch(_own_loop_async, workers=1)

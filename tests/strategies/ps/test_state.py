@@ -108,3 +108,19 @@ def test_a_read_waits_for_every_earlier_step_and_a_resume_starts_every_clock_lat
     resumed = ServerBook([0, 1], StalenessPolicy(0))
     resumed.start_at(8)
     assert resumed.version() == 8 and resumed.caught_up(8) and resumed.admit(0, 8) == 16 and resumed.admit(0, 7) is None
+
+
+class _Counting(torch.optim.SGD):
+    """An optimizer whose state holds a plain Python number, as some third-party ones do."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = self.state[p].get("count", 0) + 1
+
+
+def test_an_optimizer_state_that_is_not_tensors_is_refused():
+    with pytest.raises(ConfigError, match=r"^--strategy async: the optimizer's state 'count' \(int\) cannot be kept on "
+                                          r"parameter servers; use sgd, adam or adamw$"):
+        StateLayout.probe(lambda ps: _Counting(ps, lr=0.1))
