@@ -208,3 +208,10 @@ def test_an_unguarded_script_that_workers_need_is_told_to_add_the_guard(cli_env,
     proc = subprocess.run([sys.executable, str(script)], env=cli_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert 'put that call under `if __name__ == "__main__":`' in proc.stderr
+
+
+def test_an_unknown_start_method_is_one_line_before_any_worker(monkeypatch):
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
+    with pytest.raises(ConfigError, match="^POLYTRAIN_START_METHOD=fork: must be one of forkserver, spawn$"):
+        launch(_whoami, 0, workers=2)
+    assert leftover_children(os.getpid()) == []
