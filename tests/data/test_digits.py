@@ -35,5 +35,6 @@ def test_batches_are_unit_range_images():
 
 @pytest.mark.parametrize("test_size", [0, DIGITS_SIZE])
 def test_a_split_without_training_or_test_data_is_refused(test_size):
-    with pytest.raises(DataError, match=rf"^digits: test_size must be between 1 and {DIGITS_SIZE - 1}, got {test_size}$"):
+    message = rf"^digits: test_size must be between 1 and {DIGITS_SIZE - 1}, got {test_size}$"
+    with pytest.raises(DataError, match=message):
         digits(test_size=test_size)

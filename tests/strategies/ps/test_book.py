@@ -104,5 +104,6 @@ def test_protocol_violations_name_the_sender():
     with pytest.raises(CommunicationError,
                        match="^worker rank 0 asked for step 2 while its pull for step 1 was still waiting$"):
         book.pull(0, 2)
-    with pytest.raises(CommunicationError, match=r"^worker rank 0 pushed slice 0 \(step 0\), which is already applied$"):
+    with pytest.raises(CommunicationError,
+                       match=r"^worker rank 0 pushed slice 0 \(step 0\), which is already applied$"):
         book.admit(0, 1, ticket=0)
