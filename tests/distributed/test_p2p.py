@@ -2,12 +2,13 @@
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from polytrain.distributed.p2p import Channel
-from polytrain.errors import CommunicationError
+from polytrain.errors import CommunicationError, WorkerError
 from tests.helpers.spawn import spawn
 
 TAG, DATA = 3, 4
@@ -18,7 +19,7 @@ def exchange(ctx):
     if ctx.rank == 0:
         got = {}
         for _ in range(2):
-            kind, sender, a, b, _ = channel.recv_header_any(TAG, "rank 1 or 2")
+            kind, sender, a, b, *_ = channel.recv_header_any(TAG, "rank 1 or 2")
             payload = channel.recv(torch.empty(a, dtype=torch.float64), sender, DATA)
             got[sender] = (kind, b, payload.tolist())
             channel.send(payload * 2, sender, DATA)
@@ -50,13 +51,20 @@ def test_a_receive_that_times_out_names_the_peer():
         spawn(silent_peer, 2, timeout=30)
 
 
-def exiting_peer(ctx):
+def exiting_peer(ctx, said):
     channel = Channel(ctx.topology.group, timeout=60, names=lambda r: f"peer {r}")
     if ctx.rank == 1:
         os._exit(1)
-    channel.recv_header(1, TAG)
+    try:
+        channel.recv_header(1, TAG)
+    except CommunicationError as exc:
+        Path(said).write_text(str(exc))  # what rank 0 itself says
+        raise
 
 
-def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
-    with pytest.raises(CommunicationError, match="peer 0: connection lost while waiting for peer 1; it exited"):
-        spawn(exiting_peer, 2, timeout=30)
+def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(tmp_path):
+    # the job's error is the cause the launcher saw, rank 1's exit, with rank 0's failure after it
+    with pytest.raises(WorkerError, match=r"^worker rank 1 exited with code 1 .* \(then rank\(s\) 0 failed too\)"):
+        spawn(exiting_peer, 2, str(tmp_path / "said"), timeout=30)
+    # rank 0's receive failed at once, naming the peer (not after the channel's 60 s timeout)
+    assert (tmp_path / "said").read_text() == "peer 0: connection lost while waiting for peer 1; it exited or crashed"
