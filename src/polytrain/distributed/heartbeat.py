@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -60,8 +61,9 @@ class Heartbeat:
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout: float,
                  on_lost: Callable[[PeerLostError], None], prefix: str = "polytrain/heartbeat",
                  names: Sequence[str] | None = None, interval: float | None = None,
-                 start_timeout: float | None = None):
+                 start_timeout: float | None = None, address: str | None = None):
         self.store = store
+        self.address = address  # HOST:PORT of the store, for the error when it is lost
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -205,6 +207,8 @@ class Heartbeat:
 
     def _address(self) -> str:
         """`` at HOST:PORT`` of a TCP store (what a survivor cut off from it can check), else nothing."""
+        if self.address:
+            return f" at {self.address}"
         host, port = getattr(self.store, "host", None), getattr(self.store, "port", None)
         return f" at {host}:{port}" if host and port else ""
 
@@ -234,10 +238,29 @@ def exit_on_loss(report: Callable[[PeerLostError], None] | None = None,
             if report is not None:
                 report(error)
             _record_for_torchrun(error)
+            if error.rank is None:
+                _end_stranded_agent()
         finally:
             os._exit(code)
 
     return lost
+
+
+def _end_stranded_agent() -> None:
+    """Under torchrun, when the rendezvous store is lost: end this worker's torchrun agent too. The agent
+    polls the same store from its main loop, blocked in a receive over a link that vanished (measured: it
+    ignores SIGTERM and never exits, and never reaps its workers); so the machine cut off from the store
+    ends its whole job, as the one that still has it does."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    agent = os.getppid()
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{agent}/cmdline", "rb") as fh:
+            cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        if "torch.distributed.run" in cmdline or "torchrun" in cmdline:
+            get_logger().error(f"ending torchrun's agent (pid {agent}): it waits on the same lost store and "
+                               "would not exit by itself")
+            os.kill(agent, signal.SIGKILL)
 
 
 def _record_for_torchrun(error: PeerLostError) -> None:
@@ -269,7 +292,7 @@ def watch_peers(address: str, port: int, rank: int, world_size: int, timeout: fl
         return NoHeartbeat()
     store = dist.TCPStore(address, port, None, is_master=False, timeout=store_timeout(connect_timeout))
     return Heartbeat(store, rank, world_size, timeout=timeout, on_lost=exit_on_loss(report), prefix=prefix,
-                     names=names).start()
+                     names=names, address=f"{address}:{port}").start()
 
 
 def store_timeout(seconds: float) -> timedelta:
