@@ -63,16 +63,12 @@ class Pipeline(Strategy):
     multiprocess = True
     config_section = "pipeline"
 
-    def __init__(self, topology: Any, options: PipelineConfig | None = None):
-        self.options = options or PipelineConfig()  # arrange() reads it, and the base class arranges first
-        super().__init__(topology, self.options)
-
     # -- layout and checks before launch ------------------------------------------------------------
 
     @classmethod
     def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
         """(replicas D, stages P)."""
-        return 1, (options or PipelineConfig()).stages
+        return 1, cls.options_or_defaults(options).stages
 
     @classmethod
     def processes(cls, workers: int, options: Any = None) -> int:
@@ -85,7 +81,7 @@ class Pipeline(Strategy):
 
     @classmethod
     def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        opts = options or PipelineConfig()
+        opts = cls.options_or_defaults(options)
         dp, pp = cls.shape(workers, opts)
         if accumulate != 1:
             raise ConfigError(f"--strategy {cls.name} accumulates over its --microbatches; pass --microbatches "
@@ -122,7 +118,7 @@ class Pipeline(Strategy):
 
     def prepare(self, model, make_optimizer, recipe=None, place=None):
         super().prepare(model, make_optimizer, recipe, place)  # every parameter: single's optimizer layout
-        opts = self.options or PipelineConfig()
+        opts = self.options
         self.info = plan.schedule_info(opts.schedule)
         self.ranks = self.topology.axis_size("pp")
         self.me = self.topology.axis_rank("pp")
@@ -144,7 +140,7 @@ class Pipeline(Strategy):
         """Cut the model (first use): rank 0 measures and chooses, every rank builds its stages alike."""
         if self.split is not None:
             return
-        opts, topo = self.options or PipelineConfig(), self.topology
+        opts, topo = self.options, self.topology
         chosen = None
         if topo.rank == 0:
             try:
@@ -194,7 +190,7 @@ class Pipeline(Strategy):
 
     def train_step(self, batch: Batch) -> StepResult:
         assert self.optimizer is not None
-        opts = self.options or PipelineConfig()
+        opts = self.options
         self._ensure_stages(batch.inputs[: len(batch) // opts.microbatches])
         self.optimizer.zero_grad(set_to_none=True)
         self._global_units = batch.global_units
@@ -242,7 +238,7 @@ class Pipeline(Strategy):
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        opts = self.options or PipelineConfig()
+        opts = self.options
         self._ensure_stages(inputs[: max(1, len(inputs) // opts.microbatches)])
         out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
                             self.topology.axis_group("pp"))
@@ -260,7 +256,7 @@ class Pipeline(Strategy):
     def summary_metrics(self) -> dict[str, Any]:
         resident = sum(t.numel() for t in self.model.parameters()) if self.model is not None else 0
         per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total, resident))
-        opts = self.options or PipelineConfig()
+        opts = self.options
         theory = plan.theoretical_bubble(self.ranks, opts.microbatches, self.info.chunks)
         return {
             **super().summary_metrics(),
@@ -303,7 +299,7 @@ class Pipeline(Strategy):
         return {"model": model, "optimizer": {**optimizer, "state": dict(sorted(merged.items()))}}
 
     def describe(self) -> str:
-        opts = self.options or PipelineConfig()
+        opts = self.options
         layout = f"{self.replicas} x " if self.replicas > 1 else ""
         return (f"{self.name}: {layout}{self.ranks} stage processes ({self.info.chunks} chunk(s) each), "
                 f"{opts.microbatches} micro-batches, schedule {opts.schedule}; {self.topology.describe()}")
@@ -316,7 +312,7 @@ class Hybrid(Pipeline):
 
     @classmethod
     def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
-        opts = options or PipelineConfig()
+        opts = cls.options_or_defaults(options)
         pp = _hybrid_pp(opts)
         dp = opts.dp if opts.dp is not None else max(1, workers // pp)
         if dp * pp != workers:
@@ -325,8 +321,7 @@ class Hybrid(Pipeline):
         return dp, pp
 
 
-def _hybrid_pp(options: PipelineConfig | None) -> int:
-    opts = options or PipelineConfig()
+def _hybrid_pp(opts: PipelineConfig) -> int:
     return opts.pp if opts.pp is not None else opts.stages
 
 
