@@ -81,6 +81,7 @@ def test_resumed_batches_equal_the_uninterrupted_ones(corpus):
 @pytest.mark.parametrize("content, message", [
     (None, "no file"),
     (b"", "is empty"),
+    (b"\n  \n\r\n", r"is empty \(or only blank lines\)"),
     (b"\xff\xfe sentence\n", "is not UTF-8 text"),
 ])
 def test_bad_files_are_one_line_errors(tmp_path, content, message):

@@ -44,7 +44,7 @@ def read_utf8(path: str | Path, what: str) -> bytes:
         raise DataError(f"{what}: no file {file}" + (" (it is a directory)" if file.is_dir() else ""))
     data = file.read_bytes()
     if not data.strip():
-        raise DataError(f"{what}: {file} is empty; give a file with some text")
+        raise DataError(f"{what}: {file} is empty (or only blank lines); give a file with some text")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
