@@ -37,5 +37,16 @@ def test_a_factory_that_refuses_its_arguments_is_one_line():
     def factory(width: int, depth: int):
         return width * depth
 
-    with pytest.raises(ConfigError, match=r"^--model mine: .*missing 1 required positional argument: 'depth'$"):
+    with pytest.raises(ConfigError, match=r"^--model mine: .*missing 1 required positional argument: 'depth' "
+                                          r"\(given width=3\)$"):
         call_with_accepted(factory, "--model mine", width=3)
+
+
+def test_model_argument_errors_list_only_what_the_user_may_give_and_echo_a_bad_value():
+    from polytrain.models.registry import build_model
+
+    with pytest.raises(ConfigError, match=r"^--model mlp:foo=1: unknown argument\(s\) foo; accepted: hidden, "
+                                          r"activation$"):
+        build_model("mlp:foo=1", input_shape=(64,), num_classes=10)  # input_shape/num_classes are polytrain's
+    with pytest.raises(ConfigError, match=r"^--model mlp:hidden=abc: .* \(given hidden='abc'\)$"):
+        build_model("mlp:hidden=abc", input_shape=(64,), num_classes=10)

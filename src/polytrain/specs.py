@@ -139,12 +139,14 @@ def call_with_accepted(fn: Callable[..., Any], what: str, /, *args: Any, **kwarg
         if takes_any or k.lstrip("_") in sig.parameters
     }
     unknown = [k for k in kwargs if not k.startswith("_") and k not in accepted]
+    context = {k.lstrip("_") for k in kwargs if k.startswith("_")}  # polytrain fills these in, not the user
     if unknown:
-        names = [p for p in sig.parameters if p not in ("self",)]
+        names = [p for p in sig.parameters if p not in ("self",) and p not in context]
         raise ConfigError(
             f"{what}: unknown argument(s) {', '.join(sorted(unknown))}; accepted: {', '.join(names) or 'none'}"
         )
     try:
         return fn(*args, **accepted)
     except TypeError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not k.startswith("_"))
+        raise ConfigError(f"{what}: {exc}" + (f" (given {given})" if given else "")) from None
