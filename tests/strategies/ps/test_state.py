@@ -122,5 +122,6 @@ class _Counting(torch.optim.SGD):
 
 def test_an_optimizer_state_that_is_not_tensors_is_refused():
     with pytest.raises(ConfigError, match=r"^--strategy async: the optimizer's state 'count' \(int\) cannot be kept on "
-                                          r"parameter servers; use sgd, adam or adamw$"):
+                                          r"parameter servers; use one of --optimizer's choices \(sgd, adam, "
+                                          r"adamw, rmsprop, adagrad\)$"):
         StateLayout.probe(lambda ps: _Counting(ps, lr=0.1))

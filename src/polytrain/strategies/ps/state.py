@@ -45,7 +45,8 @@ class StateLayout:
                 scalars.append((key, value.dtype))
             elif value is not None:  # e.g. a Python number: nothing here knows how to split or gather it
                 raise ConfigError(f"--strategy async: the optimizer's state '{key}' ({type(value).__name__}) "
-                                  f"cannot be kept on parameter servers; use sgd, adam or adamw")
+                                  "cannot be kept on parameter servers; use one of --optimizer's choices (sgd, "
+                                  "adam, adamw, rmsprop, adagrad)")
         return cls(tuple(tensors), tuple(scalars))
 
     @property
