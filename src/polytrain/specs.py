@@ -125,26 +125,31 @@ def load_factory(path: str, *, what: str) -> Callable[..., Any]:
     return factory
 
 
+def check_accepted(fn: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> None:
+    """One ConfigError line if ``fn`` does not accept a user argument of ``kwargs`` (keys starting with ``_``
+    are polytrain's context, offered but optional, and not listed as accepted)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    unknown = [k for k in kwargs if not k.startswith("_") and k not in sig.parameters]
+    if unknown:
+        context = {k.lstrip("_") for k in kwargs if k.startswith("_")}
+        names = [p for p in sig.parameters if p not in ("self",) and p not in context]
+        raise ConfigError(
+            f"{what}: unknown argument(s) {', '.join(sorted(unknown))}; accepted: {', '.join(names) or 'none'}"
+        )
+
+
 def call_with_accepted(fn: Callable[..., Any], what: str, /, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn`` with the keyword arguments it accepts; user arguments it does not accept are an error.
 
     Keys starting with ``_`` are offered but optional (context such as ``input_shape``); other keys are
     the user's and must be accepted.
     """
+    check_accepted(fn, what, kwargs)
     sig = inspect.signature(fn)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    accepted = {
-        k.lstrip("_"): v
-        for k, v in kwargs.items()
-        if takes_any or k.lstrip("_") in sig.parameters
-    }
-    unknown = [k for k in kwargs if not k.startswith("_") and k not in accepted]
-    context = {k.lstrip("_") for k in kwargs if k.startswith("_")}  # polytrain fills these in, not the user
-    if unknown:
-        names = [p for p in sig.parameters if p not in ("self",) and p not in context]
-        raise ConfigError(
-            f"{what}: unknown argument(s) {', '.join(sorted(unknown))}; accepted: {', '.join(names) or 'none'}"
-        )
+    accepted = {k.lstrip("_"): v for k, v in kwargs.items() if takes_any or k.lstrip("_") in sig.parameters}
     try:
         return fn(*args, **accepted)
     except TypeError as exc:

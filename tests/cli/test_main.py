@@ -58,6 +58,8 @@ def test_print_config_round_trips(cli_env, tmp_path):
     (["--batch-size", "63", "--workers", "2"], "--batch-size 63 does not divide over 2 workers"),
     (["--lr-schedule", "exponential:rate=0.1"], "missing decay_steps"),
     (["--nope"], "unrecognized arguments: --nope"),
+    # checked before any worker starts: no "[rank 0]" in front
+    (["--model", "mlp:foo=1"], "error: --model mlp:foo=1: unknown argument(s) foo; accepted: hidden, activation"),
 ])
 def test_bad_input_is_one_clear_line(cli_env, args, message):
     proc = polytrain("train", "--steps", "1", *args, env=cli_env)

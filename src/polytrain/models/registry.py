@@ -19,7 +19,7 @@ from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
 from polytrain.models.rnn_lm import rnn_lm
 from polytrain.models.transformer_lm import transformer_lm
-from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
+from polytrain.specs import call_with_accepted, check_accepted, is_import_path, load_factory, parse_spec
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -56,14 +56,22 @@ def resolve_model_factory(spec: str) -> tuple[ModelFactory, dict[str, Any]]:
     )
 
 
-def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: tuple[int, ...],
-                num_classes: int) -> nn.Module:
-    """Build the model named by ``spec`` for inputs of ``input_shape`` and ``num_classes`` outputs."""
+def check_model(spec: str, args: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The factory of ``spec`` and its arguments, checked as far as can be without building the model (so
+    in the launching process, before any worker starts): one ConfigError line for an unknown name or argument."""
     factory, spec_args = resolve_model_factory(spec)
     clash = set(spec_args) & set(args or {})
     if clash:
         raise ConfigError(f"--model: {', '.join(sorted(clash))} given both in '{spec}' and as --model-arg")
     kwargs = {**spec_args, **(args or {})}
+    check_accepted(factory, f"--model {spec}", {**kwargs, "_input_shape": None, "_num_classes": None})
+    return factory, kwargs
+
+
+def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: tuple[int, ...],
+                num_classes: int) -> nn.Module:
+    """Build the model named by ``spec`` for inputs of ``input_shape`` and ``num_classes`` outputs."""
+    factory, kwargs = check_model(spec, args)
     try:
         model = call_with_accepted(
             factory, f"--model {spec}", _input_shape=tuple(input_shape), _num_classes=num_classes, **kwargs

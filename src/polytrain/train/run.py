@@ -18,7 +18,7 @@ from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.errors import ConfigError
-from polytrain.models.registry import resolve_model_factory
+from polytrain.models.registry import check_model
 from polytrain.strategies import get_strategy
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
@@ -49,7 +49,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if config.checkpoint.resume and not config.checkpoint.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
-        resolve_model_factory(config.model.model)
+        check_model(config.model.model, config.model.model_args)
     if data is None:
         _check_dataset_size(check_data(config.data.data, config.data.data_args), slices,
                             config.global_batch(slices))
