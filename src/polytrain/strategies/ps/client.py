@@ -28,7 +28,7 @@ class ParameterClient:
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         dtype = next(iter(self.params.values())).dtype
         self.buffers = [torch.empty(plan.numel(s), dtype=dtype) for s in range(plan.servers)]
-        self.versions = [0] * plan.servers  # per server: the global clock of the values last pulled
+        self.versions = [0] * plan.servers  # per server: the version (steps applied) of the values last pulled
         self.updates = [0] * plan.servers  # per server: updates applied when they were pulled
         #: the staleness of this worker's last applied gradient, the most of any server (-1: not known yet)
         self.last_staleness = -1

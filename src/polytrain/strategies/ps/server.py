@@ -64,7 +64,7 @@ class ParameterServer:
         self.optimizer = make_optimizer(self.params)
         self.state_layout = StateLayout.probe(make_optimizer, dtype)
         self.book = ServerBook(layout.worker_ranks, policy, layout.name)
-        self._snapshot: torch.Tensor | None = None  # bound 0: what pulls of the current global clock get
+        self._snapshot: torch.Tensor | None = None  # bound 0: what pulls get until the version advances
         self._waiting: list[tuple[int, int, int]] = []  # (kind, worker, step): reads until caught up
         self._tickets: dict[int, int] = {}  # worker -> the ticket its deferred pull answers
         #: bound 0: slices that came before an earlier one of their step, until it is applied
