@@ -1,8 +1,9 @@
 """Staleness numbers: per log point on each worker, and over the whole run from the servers' records.
 
 The staleness of an applied gradient is the server's version (steps whose every slice is applied) when it
-was applied minus the version of the values it was computed on (:class:`~.book.UpdateRecord`). A pushed gradient reaches every
-server; its staleness is the most of any server's (values from several servers may differ in age).
+was applied minus the version of the values it was computed on (:class:`~.book.UpdateRecord`). A pushed
+gradient reaches every server; its staleness is the most of any server's (values from several servers may
+differ in age).
 """
 
 from __future__ import annotations
