@@ -108,17 +108,25 @@ def test_a_frozen_rank_ends_survivors_blocked_in_a_collective(monkeypatch):
     _assert_named_in_time(reports, gone_at, codes)
 
 
+class _Lost:
+    """An ``on_lost`` for heartbeats in this process: keeps every report, signals the first."""
+
+    def __init__(self) -> None:
+        self.errors: list[PeerLostError] = []
+        self.seen = threading.Event()
+
+    def __call__(self, error: PeerLostError) -> None:
+        self.errors.append(error)
+        self.seen.set()
+
+
 def test_a_failure_is_told_at_once_not_after_the_bound():
     """Two heartbeats in one process on a real store: a failed rank's message reaches the other in about one
     beat interval, not after the bound."""
     server = StoreServer(timedelta(seconds=10))
     try:
-        lost = []
-        seen = threading.Event()
-
-        def on_lost(error):
-            lost.append(error)
-            seen.set()
+        on_lost = _Lost()
+        lost, seen = on_lost.errors, on_lost.seen
 
         watcher = Heartbeat(server.store.clone(), 0, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
         other = Heartbeat(server.store.clone(), 1, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
@@ -193,12 +201,8 @@ def test_a_rank_that_never_beats_is_named_after_the_start_bound():
     """A real store and one heartbeat of a world of 2 whose rank 1 never starts."""
     server = StoreServer(timedelta(seconds=10))
     try:
-        lost = []
-        seen = threading.Event()
-
-        def on_lost(error):
-            lost.append(error)
-            seen.set()
+        on_lost = _Lost()
+        lost, seen = on_lost.errors, on_lost.seen
 
         watcher = Heartbeat(server.store.clone(), 0, 2, timeout=5.0, interval=0.1, start_timeout=0.5,
                             on_lost=on_lost).start()
