@@ -237,19 +237,22 @@ class AsyncParameterServer(Strategy):
         return StepResult(loss, examples)
 
     def _pull(self, step: int) -> None:
-        started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
-        self.client.pull(step)
-        self._waited += time.perf_counter() - started
-        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
+        self._counted(self.client.pull, step)
 
     def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None) -> int | None:
-        started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
-        ticket = self.client.next_slice(step, pushed)
-        self._waited += time.perf_counter() - started
-        self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
+        ticket = self._counted(self.client.next_slice, step, pushed)
         if ticket is not None:
             self._window.add(self.client.last_staleness)
         return ticket
+
+    def _counted(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on the client, its seconds counted as waiting and its bytes as traffic."""
+        started, sent, received = time.perf_counter(), self.client.bytes_sent, self.client.bytes_received
+        try:
+            return call(*args)
+        finally:
+            self._waited += time.perf_counter() - started
+            self.traffic.add(self.client.bytes_sent - sent, self.client.bytes_received - received)
 
     def _gradient(self, batch: Batch) -> torch.Tensor:
         """This slice's gradient in the model's ``.grad`` (pushed with the next request); returns its loss."""
