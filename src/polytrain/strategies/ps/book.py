@@ -157,8 +157,7 @@ class ServerBook:
         if clock != last + 1:
             raise CommunicationError(f"{self.name(worker)} pushed step {clock} after step {last}: "
                                      f"step(s) {last + 1}..{clock - 1} never arrived")
-        if ticket < 0:
-            ticket = clock * self.tickets.per_step + self.slot[worker]
+        ticket = self._ticket(worker, clock, ticket)
         if self.tickets.applied(ticket):
             raise CommunicationError(f"{self.name(worker)} pushed slice {ticket} (step "
                                      f"{ticket // self.tickets.per_step}), which is already applied")
@@ -167,8 +166,7 @@ class ServerBook:
 
     def applied(self, worker: int, clock: int, read_version: int, ticket: int = -1) -> UpdateRecord:
         """Record an applied gradient (after :meth:`admit` gave its ticket) and advance the version."""
-        if ticket < 0:
-            ticket = clock * self.tickets.per_step + self.slot[worker]
+        ticket = self._ticket(worker, clock, ticket)
         missed = self.updates - self._read_updates[worker]
         record = UpdateRecord(worker, clock, ticket, read_version, self.version(), missed)  # the version it lands on
         self.updates += 1
@@ -177,6 +175,10 @@ class ServerBook:
         self.records.append(record)
         self.last_staleness[worker] = record.staleness
         return record
+
+    def _ticket(self, worker: int, clock: int, ticket: int) -> int:
+        """A push's ticket: its own, or (-1) the worker's fixed slice of step ``clock``."""
+        return ticket if ticket >= 0 else clock * self.tickets.per_step + self.slot[worker]
 
     def finish(self, worker: int) -> None:
         self.known(worker)
