@@ -35,7 +35,7 @@ from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-ROLES = ("trainer", "server")
+ROLES = ("trainer", "server", "helper")
 
 
 class Strategy:
@@ -75,6 +75,11 @@ class Strategy:
     def rank_names(cls, workers: int, options: Any = None) -> list[str] | None:
         """What each launched process is called when the launcher reports its failure (None: "worker rank N")."""
         return None
+
+    @classmethod
+    def expendable_ranks(cls, workers: int, options: Any = None) -> list[int]:
+        """Ranks the job goes on without if they die (``--tolerate-worker-loss``); none by default."""
+        return []
 
     @classmethod
     def data_slices(cls, workers: int, options: Any = None) -> int:
