@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.distributed.lost import LostRanks
+
 AXES = ("dp", "pp")
 
 
@@ -35,6 +37,9 @@ class Topology:
     #: sizes of the named axes, in mesh order (empty: dp = world size, pp = 1)
     axes: tuple[tuple[str, int], ...] = ()
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh over ``axes`` once arranged
+    #: the ranks this job may go on without, and those lost (--tolerate-worker-loss); one registry per process,
+    #: shared by every view of this topology (``arranged``, ``along``) since they are all copies by ``replace``
+    lost: LostRanks = field(default_factory=LostRanks, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
