@@ -76,7 +76,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['workers']} worker(s)\n"
             f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
             + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else "") + "\n"
-            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + _restarts_line(summary))
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + _restarts_line(summary)
+            + _lost_line(summary))
+
+
+def _lost_line(summary: dict[str, Any]) -> str:
+    lost = summary.get("workers_lost")
+    if not lost:
+        return ""
+    return (f"\n  workers lost: rank(s) {', '.join(map(str, lost))}; the run went on without them "
+            "(--tolerate-worker-loss)")
 
 
 def _restarts_line(summary: dict[str, Any]) -> str:

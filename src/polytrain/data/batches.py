@@ -224,11 +224,19 @@ class ShardedBatches:
     def _direct(self) -> Iterator[Batch]:
         step = self.start_step
         while True:
-            everyone = self.plan.global_indices(step)
-            mine = self.shard_at(step).take(everyone)
-            x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
-            yield Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone), mine)
+            yield self.at(step)
             step += 1
+
+    def at(self, step: int) -> Batch:
+        """This worker's batch of any global ``step``, drawn in this process (for a strategy whose workers
+        take steps out of order: a slice of an earlier step handed back by a lost worker)."""
+        everyone = self.plan.global_indices(step)
+        mine = self.shard_at(step).take(everyone)
+        if hasattr(self.dataset, "get_batch"):
+            x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
+        else:
+            x, y = torch.utils.data.default_collate([self.dataset[int(i)] for i in mine])
+        return Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone), mine)
 
     def _loader(self) -> Iterator[Batch]:
         step = self.start_step

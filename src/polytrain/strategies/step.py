@@ -32,6 +32,20 @@ class StepRecipe:
     loss: str = "task"
 
 
+@dataclass(frozen=True)
+class RunSource:
+    """What a strategy may draw on besides the batch the trainer hands each step: the batch and the learning
+    rate of *any* step, and the run's length. A worker that takes work out of step order (``async`` with
+    ``--tolerate-worker-loss``: a helper rank's own loop, or a slice of an earlier step that a lost worker
+    handed back) uses it; ``after_slice(compute_s, step)`` runs what the trainer runs after its steps
+    (``--straggler`` sleeps, an injected kill) for a slice of ``step`` that took ``compute_s`` seconds."""
+
+    batch_at: Callable[[int], Batch]
+    lr_at: Callable[[int], float]
+    total_steps: int
+    after_slice: Callable[[float, int], None] = lambda compute_s, step: None
+
+
 @dataclass
 class StepResult:
     """What a rank reports of one step. ``loss`` is this rank's share of the global batch's mean loss, such

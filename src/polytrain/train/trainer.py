@@ -27,6 +27,7 @@ from polytrain.data.base import DataBundle
 from polytrain.data.batches import eval_batches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError
+from polytrain.strategies.step import RunSource
 from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save
 from polytrain.train.example_ids import example_ids
@@ -46,11 +47,14 @@ class Trainer:
         self.strategy = self.s.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
         self.topology = self.strategy.trainers
-        self.straggler = StragglerInjector(config.straggler.straggler, self.topology.rank, config.train.seed)
+        # a helper rank is no trainer rank: its --straggler spec is its own rank's
+        rank = self.topology.rank if self.strategy.role == "trainer" else self.strategy.topology.rank
+        self.straggler = StragglerInjector(config.straggler.straggler, rank, config.train.seed)
         self.timed = TimedCheckpoints(config.restart.checkpoint_every_seconds, self.topology.is_main)
         self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
 
     def fit(self) -> dict[str, Any]:
+        self.strategy.bind(self._run_source())
         if self.strategy.role != "trainer":
             return self.strategy.serve()
         s, cfg = self.s, self.config
@@ -66,6 +70,16 @@ class Trainer:
             return summary
         finally:
             run_log.close()
+
+    def _run_source(self) -> RunSource:
+        s = self.s
+        batches = self.strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step)
+
+        def after_slice(compute_s: float, step: int) -> None:
+            self.straggler.after_step(compute_s)
+            self.kill.after_step(step + 1)
+
+        return RunSource(batches.at, s.schedule, s.total_steps, after_slice)
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
         s, cfg, strategy = self.s, self.config, self.strategy

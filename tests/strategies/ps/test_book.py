@@ -107,3 +107,82 @@ def test_protocol_violations_name_the_sender():
     with pytest.raises(CommunicationError,
                        match=r"^worker rank 0 pushed slice 0 \(step 0\), which is already applied$"):
         book.admit(0, 1, ticket=0)
+
+
+# -- lost workers (--tolerate-worker-loss) ----------------------------------------------------------------
+
+
+def _push(book: ServerBook, worker: int, clock: int, ticket: int) -> None:
+    admitted = book.admit(worker, clock, ticket)
+    assert admitted == ticket
+    book.received(worker, ticket)
+    book.applied(worker, clock, book.version(), ticket)
+
+
+def test_a_lost_workers_slices_go_out_again_first_and_each_is_applied_once():
+    book = ServerBook([0, 1, 2], StalenessPolicy(None), tolerant=True)
+    assert [book.take_ticket(w, 5) for w in (0, 1, 2)] == [0, 1, 2]
+    assert book.take_ticket(2, 5) == 3  # worker 2 holds tickets 2 and 3 (a slice and the next step's)
+    _push(book, 0, 0, 0)
+    _push(book, 2, 0, 2)  # worker 2 pushed ticket 2, then died holding ticket 3
+    assert book.lose(2) == [3]
+    assert book.lose(2) == []  # learnt twice (heartbeat, then a failed send): once
+    assert book.all_done is False and book.active == [0, 1]
+    assert book.take_ticket(1, 5) == 3  # the requeued slice before the next new one
+    assert book.take_ticket(1, 5) == 4
+    _push(book, 1, 0, 1), _push(book, 1, 1, 3)
+    assert book.version() == 1 and not book.caught_up(2)  # step 1: ticket 4 held by worker 1, 5 not handed
+    summary = book.summary()
+    assert summary["workers_lost"] == [2] and summary["slices_requeued"] == 1
+    assert sorted(r[2] for r in summary["records"]) == [0, 1, 2, 3]  # every ticket applied once
+
+
+def test_a_requeued_slice_of_a_past_step_only_goes_to_a_worker_at_that_step_or_later():
+    book = ServerBook([0, 1], StalenessPolicy(None), tolerant=True)
+    assert book.take_ticket(1, 3) == 0 and book.take_ticket(1, 3) == 1 and book.take_ticket(1, 3) == 2
+    book.lose(1)
+    assert book.tickets.requeued == [0, 1, 2]
+    assert book.take_ticket(0, 0) == 0 and book.take_ticket(0, 0) == 1
+    assert book.take_ticket(0, 0) is None  # ticket 2 is step 1's
+    assert book.take_ticket(0, 1) == 2
+
+
+def test_a_pull_waiting_on_the_bound_takes_an_earlier_requeued_slice_instead():
+    book = ServerBook([0, 1, 2], StalenessPolicy(0), tolerant=True)
+    for w in (0, 1, 2):
+        assert book.take_ticket(w, 0) == w and book.pull(w, 0)
+        book.replied(w)
+    _push(book, 0, 0, 0)
+    assert book.take_ticket(0, 1) == 3 and not book.pull(0, 1)  # step 1 waits for step 0's slices
+    assert book.swap(0, 3) is None  # nothing requeued yet
+    assert book.lose(2) == [2]
+    assert book.swap(0, 3) == 2  # worker 0 computes the lost slice of step 0 instead; 3 goes back
+    assert book.tickets.requeued == [3] and book.holding[0] == {2}
+    assert book.ready() == [(0, 0)]
+    _push(book, 0, 1, 2), _push(book, 1, 0, 1)
+    assert book.version() == 1
+    assert book.take_ticket(1, 1) == 3
+
+
+def test_another_server_skips_what_a_lost_worker_pushed_only_to_the_first_server():
+    book = ServerBook([0, 1], StalenessPolicy(None), tolerant=True)  # a server after the first
+    book.announce(1, 1)  # worker 1 pulled for ticket 1 (pushed to server 0, lost before it reached this one)
+    book.announce(1, 3)  # and for ticket 3, which server 0 did not get either: requeued, computed again
+    book.announce(0, 0)
+    _push(book, 0, 0, 0)
+    assert book.abandon(1, requeued=[3]) == [1]
+    assert book.version() == 1 and book.summary()["slices_skipped"] == [1]
+    assert book.abandon(1, requeued=[3]) == []
+    _push(book, 0, 1, 3)
+    assert book.caught_up(1) and 3 in book.tickets.above
+
+
+def test_a_tolerant_server_drains_a_second_push_of_an_applied_slice():
+    book = ServerBook([0, 1], StalenessPolicy(None), tolerant=True)
+    _push(book, 1, 0, 0)  # a lost worker's push reached this server only; ticket 0 was computed again
+    assert book.admit(0, 0, 0) is None
+    assert book.duplicates == [(0, 0)] and book.admit(0, 1, 1) == 1  # worker 0's clocks go on
+    strict = ServerBook([0, 1], StalenessPolicy(None))
+    _push(strict, 1, 0, 0)
+    with pytest.raises(CommunicationError, match="already applied"):
+        strict.admit(0, 0, 0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from polytrain.errors import CommunicationError
 from polytrain.strategies.ps.staleness import StalenessPolicy
@@ -43,23 +43,35 @@ class UpdateRecord:
 
 class Tickets:
     """Which slices were handed out and which applied: the first ``handed`` tickets went out; every ticket
-    below ``finished`` is applied, and ``above`` holds those applied past it."""
+    below ``finished`` is applied, and ``above`` holds those applied past it. ``requeued`` holds tickets
+    handed to a worker that was lost before it pushed them: they go out again first."""
 
     def __init__(self, per_step: int):
         self.per_step = per_step
         self.handed = self.finished = 0
         self.above: set[int] = set()
+        self.requeued: list[int] = []  # sorted
 
     def start_at(self, step: int) -> None:
         self.handed = self.finished = step * self.per_step
         self.above.clear()
+        self.requeued.clear()
 
     def take(self, step: int) -> int | None:
-        """The next ticket if it belongs to a step ``<= step`` (None: every one of those is taken)."""
+        """The next ticket if it belongs to a step ``<= step`` (None: every one of those is taken): a
+        requeued one first, the earliest."""
+        if self.requeued and self.requeued[0] // self.per_step <= step:
+            return self.requeued.pop(0)
         if self.handed >= (step + 1) * self.per_step:
             return None
         self.handed += 1
         return self.handed - 1
+
+    def requeue(self, tickets: Iterable[int]) -> list[int]:
+        """Hand ``tickets`` out again (those not applied); returns them, sorted."""
+        back = sorted(t for t in tickets if not self.applied(t) and t not in self.requeued)
+        self.requeued = sorted(self.requeued + back)
+        return back
 
     def applied(self, ticket: int) -> bool:
         return ticket < self.finished or ticket in self.above
@@ -77,10 +89,21 @@ class Tickets:
 
 
 class ServerBook:
+    """``tolerant``: workers may be lost (``--tolerate-worker-loss``): what a lost worker held goes out again,
+    and a push of a slice already applied (one a lost worker pushed to this server only) is a duplicate."""
+
     def __init__(self, workers: Sequence[int], policy: StalenessPolicy,
-                 name: Callable[[int], str] = lambda r: f"worker rank {r}"):
+                 name: Callable[[int], str] = lambda r: f"worker rank {r}", tolerant: bool = False):
         self.policy = policy
         self.name = name
+        self.tolerant = tolerant
+        #: per worker, the tickets it was handed (server 0) or pulled for (the others) and has not pushed here
+        self.holding: dict[int, set[int]] = {w: set() for w in workers}
+        self.lost: list[int] = []  # workers lost, in the order the server learnt of it
+        self.requeued_count = 0
+        #: tickets this server never got because their worker was lost while pushing them (pushed to server 0,
+        #: so not computed again): left out of this server's part of the parameters
+        self.skipped: list[int] = []
         self.slot = {w: i for i, w in enumerate(workers)}  # a worker's fixed slice when it takes no tickets
         self.last_clock = {w: -1 for w in workers}
         self.tickets = Tickets(len(self.slot))
@@ -128,7 +151,59 @@ class ServerBook:
     def take_ticket(self, worker: int, step: int) -> int | None:
         """The next slice for ``worker``, which is at ``step`` (None: every slice up to ``step`` is taken)."""
         self.known(worker)
-        return self.tickets.take(step)
+        ticket = self.tickets.take(step)
+        if ticket is not None:
+            self.holding[worker].add(ticket)
+        return ticket
+
+    def announce(self, worker: int, ticket: int) -> None:
+        """``worker`` pulled from this server to compute slice ``ticket`` (a server other than the first one:
+        what it may be owed if the worker is lost)."""
+        self.holding[worker].add(ticket)
+
+    def received(self, worker: int, ticket: int) -> None:
+        """``worker``'s push of ``ticket`` arrived whole."""
+        self.holding[worker].discard(ticket)
+
+    def swap(self, worker: int, ticket: int) -> int | None:
+        """A requeued slice for ``worker``, whose pull for slice ``ticket`` waits on the staleness bound, when
+        the requeued one is earlier and may start now (``ticket`` goes back in the queue): the waiting workers
+        may be the only ones left to compute it. None: no such slice."""
+        queue = self.tickets.requeued
+        if not queue or queue[0] >= ticket or not self.policy.may_start(queue[0] // self.tickets.per_step,
+                                                                        self.version()):
+            return None
+        earlier = queue.pop(0)
+        self.tickets.requeue([ticket])
+        self.holding[worker].discard(ticket)
+        self.holding[worker].add(earlier)
+        self.pending[worker] = earlier // self.tickets.per_step
+        return earlier
+
+    def lose(self, worker: int) -> list[int]:
+        """``worker`` is lost (first server: the tickets it held go out again, returned sorted). It counts as
+        done; nothing it sends is taken from now on."""
+        if worker in self.lost:
+            return []
+        self.lost.append(worker)
+        back = self.tickets.requeue(self.holding[worker])
+        self.requeued_count += len(back)
+        self.holding[worker].clear()
+        self.done.add(worker)
+        self.pending.pop(worker, None)
+        return back
+
+    def abandon(self, worker: int, requeued: Iterable[int]) -> list[int]:
+        """Another server than the first: ``worker`` is lost and the first server handed ``requeued`` out
+        again. Slices the worker held here that are not among them were pushed to the first server (and
+        will not be computed again): they count as applied here without an update. Returns them."""
+        held = self.holding[worker] - set(requeued)
+        self.lose(worker)
+        skipped = sorted(t for t in held if not self.tickets.applied(t))
+        for ticket in skipped:
+            self.tickets.apply(ticket)
+        self.skipped += skipped
+        return skipped
 
     def pull(self, worker: int, step: int) -> bool:
         """A worker asks for the values to compute a slice of ``step``: True = answer now, False = deferred."""
@@ -158,6 +233,10 @@ class ServerBook:
             raise CommunicationError(f"{self.name(worker)} pushed step {clock} after step {last}: "
                                      f"step(s) {last + 1}..{clock - 1} never arrived")
         ticket = self._ticket(worker, clock, ticket)
+        if self.tickets.applied(ticket) and self.tolerant:
+            self.last_clock[worker] = clock  # a lost worker pushed it to this server only, before it was lost
+            self.duplicates.append((worker, clock))
+            return None
         if self.tickets.applied(ticket):
             raise CommunicationError(f"{self.name(worker)} pushed slice {ticket} (step "
                                      f"{ticket // self.tickets.per_step}), which is already applied")
@@ -214,4 +293,7 @@ class ServerBook:
             "staleness_histogram": dict(sorted(Counter(staleness).items())),
             "max_missed": max((r.missed for r in self.records), default=0),
             "records": self.rows(),
+            "workers_lost": list(self.lost),
+            "slices_requeued": self.requeued_count,
+            "slices_skipped": list(self.skipped),
         }

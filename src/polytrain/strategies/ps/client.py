@@ -7,6 +7,7 @@ while gloo carries the bytes. Each call talks to every server at once: headers t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -14,10 +15,23 @@ from torch import nn
 
 from polytrain.distributed.p2p import HEADER_LEN, Channel, float_bits, header
 from polytrain.errors import CommunicationError
-from polytrain.strategies.ps.layout import (DONE, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE, STATS,
-                                            TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET, Layout)
+from polytrain.strategies.ps.layout import (DONE, DROPPED, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE,
+                                            STATS, TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET,
+                                            Layout)
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.state import StateLayout
+
+
+@dataclass
+class Records:
+    """What the servers recorded: each server's update rows ``[worker, clock, ticket, read version, applied
+    version, missed]``, the duplicate pushes they ignored, the workers lost, and the slices skipped (pushed by a
+    lost worker to the first server only: left out of another server's part)."""
+
+    rows: list[torch.Tensor] = field(default_factory=list)
+    duplicates: int = 0
+    lost: set[int] = field(default_factory=set)
+    skipped: int = 0
 
 
 class ParameterClient:
@@ -48,17 +62,22 @@ class ParameterClient:
             sends += [(t, rank, TAG_REQUEST_DATA) for t in parts if t.numel()]
         self._exchange(sends=sends)
 
-    def next_slice(self, step: int, done: tuple[int, float | None, int] | None = None) -> int | None:
+    def next_slice(self, step: int, done: tuple[int, float | None, int] | None = None,
+                   wait: bool = False) -> int | None:
         """Push the gradient of the slice just computed (``done``: its clock, lr and ticket), take the next
         slice of a step ``<= step`` from server 0 and pull the values to compute it, all in one round trip
         (and one more to the other servers, if any). Returns the slice's ticket (global step ``t // N``, slice
-        ``t % N``), or None when every slice up to ``step`` is taken (then nothing is loaded)."""
+        ``t % N``), or None when every slice up to ``step`` is taken (then nothing is loaded). ``wait``: None
+        only once every slice up to ``step`` is applied; until then, wait for a lost worker's slice to compute."""
         first = self.layout.server_ranks[0]
         sends = self._push_messages(*done) if done is not None else []
-        sends.append((header(TICKET, self.channel.rank, step), first, TAG_REQUEST))
+        sends.append((header(TICKET, self.channel.rank, step, int(wait)), first, TAG_REQUEST))
         head = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._exchange(sends=sends, recvs=[(head, first, TAG_REPLY)])
         _, version, updates, stale, ticket = self._check_reply(head, first)
+        if ticket == DROPPED:
+            raise CommunicationError(f"{self.channel.me}: the parameter servers count this worker as lost (it was "
+                                     "silent longer than --heartbeat-timeout) and gave its slices to the others")
         if ticket < 0:
             return None
         # the values follow the header; a deferred answer (staleness bound) comes whole, later
@@ -67,7 +86,7 @@ class ParameterClient:
         self.plan.unflatten(self.buffers[0], 0, self.params)
         stales = [stale]
         if self.layout.servers > 1:
-            self._ask(PULL, ticket // self.layout.workers, self.layout.server_ranks[1:])
+            self._ask(PULL, ticket // self.layout.workers, self.layout.server_ranks[1:], ticket=ticket)
             stales.append(self.last_staleness)
         self.last_staleness = max(stales)
         return ticket
@@ -102,18 +121,20 @@ class ParameterClient:
             out.append(flat)
         return out
 
-    def records(self, step: int) -> tuple[list[torch.Tensor], int]:
-        """Every server's update records (rows ``[worker, clock, ticket, read version, applied version,
-        missed]``) and the number of duplicate pushes they ignored, once the steps before ``step`` are applied."""
+    def records(self, step: int) -> Records:
+        """Every server's update records once the steps before ``step`` are applied."""
         heads = self._post_request(STATS, step)
-        rows, duplicates = [], 0
+        out = Records()
         for s, rank in enumerate(self.layout.server_ranks):
-            count, dup = self._check_reply(heads[s], rank)[1:3]
-            rows.append(torch.empty(count, RECORD_WIDTH, dtype=torch.int64))
-            if count:
-                self._exchange(recvs=[(rows[-1], rank, TAG_REPLY_DATA)])
-            duplicates += dup
-        return rows, duplicates
+            count, dup, lost, skipped = self._check_reply(heads[s], rank)[1:5]
+            parts = [torch.empty(count, RECORD_WIDTH, dtype=torch.int64), torch.empty(lost, dtype=torch.int64),
+                     torch.empty(skipped, dtype=torch.int64)]
+            self._exchange(recvs=[(t, rank, TAG_REPLY_DATA) for t in parts if t.numel()])
+            out.rows.append(parts[0])
+            out.duplicates += dup
+            out.lost.update(parts[1].tolist())
+            out.skipped += len(parts[2])
+        return out
 
     def done(self) -> None:
         """This worker will send nothing more; a server ends once every worker said so."""
@@ -143,9 +164,9 @@ class ParameterClient:
                 sends.append((values[s], rank, TAG_REQUEST_DATA))
         return sends
 
-    def _ask(self, kind: int, clock: int, ranks: Sequence[int] | None = None) -> list[int]:
-        """Post the answers' receives first, then ask (every server, or ``ranks``): no server ever waits
-        for us to listen."""
+    def _ask(self, kind: int, clock: int, ranks: Sequence[int] | None = None, ticket: int = -1) -> list[int]:
+        """Post the answers' receives first, then ask (every server, or ``ranks``; a pull says for which
+        ``ticket``): no server ever waits for us to listen."""
         ranks = list(self.layout.server_ranks if ranks is None else ranks)
         indices = [self.layout.server_index(rank) for rank in ranks]
         heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in ranks]
@@ -154,7 +175,7 @@ class ParameterClient:
             recvs.append((head, rank, TAG_REPLY))
             if self.buffers[s].numel():
                 recvs.append((self.buffers[s], rank, TAG_REPLY_DATA))
-        sends = [(header(kind, self.channel.rank, clock, 0), rank, TAG_REQUEST) for rank in ranks]
+        sends = [(header(kind, self.channel.rank, clock, 0, 0, ticket), rank, TAG_REQUEST) for rank in ranks]
         self._exchange(sends=sends, recvs=recvs)
         stale = []
         for head, s, rank in zip(heads, indices, ranks):

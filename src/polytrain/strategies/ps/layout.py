@@ -8,9 +8,11 @@ from polytrain.errors import ConfigError
 
 # message kinds (first value of every header) and tags (one per direction and part, so a receive from any
 # worker only ever matches a request header)
-INIT, PULL, PUSH, DONE, READ, REPLY, STATE, STATS, TICKET = 1, 2, 3, 4, 5, 6, 7, 8, 9
+INIT, PULL, PUSH, DONE, READ, REPLY, STATE, STATS, TICKET, LOST = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 KIND_NAMES = {INIT: "init", PULL: "pull", PUSH: "push", DONE: "done", READ: "read", REPLY: "reply",
-              STATE: "optimizer state", STATS: "update records", TICKET: "ticket"}
+              STATE: "optimizer state", STATS: "update records", TICKET: "ticket", LOST: "worker lost"}
+#: a ticket request's answer to a worker the servers count as lost (it was silent past --heartbeat-timeout)
+DROPPED = -2
 TAG_REQUEST, TAG_REQUEST_DATA, TAG_REPLY, TAG_REPLY_DATA = 11, 12, 13, 14
 RECORD_WIDTH = 6  # an update record's row: [worker, clock, ticket, read version, applied version, missed]
 

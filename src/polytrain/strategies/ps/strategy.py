@@ -20,9 +20,16 @@ slice of the earlier steps is applied: what is saved at step ``s`` does not depe
 optimizer state travels between the servers' pieces and ``single``'s ``torch.optim`` layout
 (:mod:`.state`), so a checkpoint of any strategy resumes here and the other way round.
 
-Not supported yet: ``--tolerate-worker-loss`` (a dead worker stops the job, naming its rank; a gloo timeout
-closes the group's connections, so the others cannot go on without it), parameters of several dtypes, and
-buffers (BatchNorm statistics) are each worker's own: the saved model has trainer rank 0's.
+``--tolerate-worker-loss``: workers 1..N-1 are *helpers* (role ``helper``): outside the trainer's loop, each
+takes tickets of any step until none is left, drawing that step's batch itself. Worker 0 alone runs the
+trainer's loop (it logs, evaluates the whole test set, checkpoints and saves; its own trainers' group has one
+rank, so no collective ever waits for a helper). A helper that dies is reported by the launcher and the
+heartbeat; parameter server 0 hands the slices it held out again (docs/async-ps.md), and before worker 0 reads
+the servers it computes any such slice nobody else is left to. What is evaluated or saved at step ``s`` holds
+every slice of the steps before ``s``, and possibly a few later ones the helpers pushed meanwhile.
+
+Not supported yet: parameters of several dtypes; buffers (BatchNorm statistics) are each worker's own: the
+saved model has trainer rank 0's.
 """
 
 from __future__ import annotations
@@ -62,8 +69,9 @@ class AsyncConfig:
     staleness: int | None = option(None, "async: no worker starts step c+K+1 before every worker finished step c "
                                          "(0: bulk synchronous; leave out for fully asynchronous)", minimum=0,
                                    metavar="K")
-    tolerate_worker_loss: bool = option(False, "async: go on without a worker that died (not supported yet: "
-                                               "refused; a dead worker stops the job, naming its rank)")
+    tolerate_worker_loss: bool = option(False, "async: go on without workers 1..N-1 if they die (their slices "
+                                               "go to the others); worker 0 alone logs, evaluates and saves, and "
+                                               "the servers must live")
 
 
 @register_strategy
@@ -87,6 +95,8 @@ class AsyncParameterServer(Strategy):
         self._ahead: int | None = None  # a slice of the trainers' next step, taken before it began
         self._ahead_loaded = False  # whether the model holds the values pulled for it
         self._global_batch = 0
+        self.tolerant = bool(self.options.tolerate_worker_loss) and self.layout.workers > 1
+        self._slices = 0  # slices this worker computed
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -99,6 +109,10 @@ class AsyncParameterServer(Strategy):
         return workers
 
     @classmethod
+    def expendable_ranks(cls, workers: int, options: Any = None) -> list[int]:
+        return list(range(1, workers)) if cls.options_or_defaults(options).tolerate_worker_loss else []
+
+    @classmethod
     def rank_names(cls, workers: int, options: Any = None) -> list[str]:
         layout = Layout(workers, cls.options_or_defaults(options).servers)
         return [layout.name(rank) for rank in range(layout.world_size)]
@@ -106,9 +120,6 @@ class AsyncParameterServer(Strategy):
     @classmethod
     def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
         opts = cls.options_or_defaults(options)
-        if opts.tolerate_worker_loss:
-            raise ConfigError("--tolerate-worker-loss: not supported yet by --strategy async (a lost worker "
-                              "stops the job, naming its rank); leave it out")
         Layout(workers, opts.servers)
         cls.check_batch(workers, global_batch, accumulate)
 
@@ -124,7 +135,11 @@ class AsyncParameterServer(Strategy):
             dist.new_group(list(range(topology.world_size)), timeout=topology.timeout, backend="gloo")
         rank = topology.rank
         self.channel = Channel(wire, topology.timeout, self.layout.name, me=self.layout.name(rank))
-        if self.layout.role(rank) == "trainer":
+        if self.options.tolerate_worker_loss:
+            # no collective may wait for a worker that can die: each worker is a trainers' group of its own
+            # (worker 0 evaluates every test example; a helper reads the checkpoint it resumes from itself)
+            self._trainers = replace(topology, rank=0, world_size=1, group=None)
+        elif self.layout.role(rank) == "trainer":
             self._trainers = replace(topology, world_size=self.layout.workers, group=group)
         else:  # a server builds the same session (data slice 0) but never reduces metrics with the trainers
             self._trainers = replace(topology, rank=0, world_size=self.layout.workers, group=None)
@@ -132,7 +147,8 @@ class AsyncParameterServer(Strategy):
 
     @property
     def role(self) -> str:
-        return self.layout.role(self.topology.rank)
+        role = self.layout.role(self.topology.rank)
+        return "helper" if role == "trainer" and self.topology.rank > 0 and self.tolerant else role
 
     @property
     def trainers(self) -> Topology:
@@ -147,6 +163,9 @@ class AsyncParameterServer(Strategy):
         n, s = self.layout.workers, self.layout.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
+        if self.tolerant:
+            text += (f"\n  --tolerate-worker-loss: {_ranks(1, n)} may be lost (their slices go to the others); "
+                     "worker 0 logs its own slices' loss and evaluates alone")
         if self._global_batch:
             text += (f"\n  --batch-size {self._global_batch} counts one step: {n} slices of {self._global_batch // n} "
                      f"examples, handed to whichever worker is free, each applied alone at lr/{n}")
@@ -180,10 +199,21 @@ class AsyncParameterServer(Strategy):
     def build_server(self, make_optimizer: OptimizerFactory, dtype: torch.dtype) -> ParameterServer:
         """This server rank's :class:`ParameterServer` (a test subclass makes one that fails on purpose)."""
         return ParameterServer(self.channel, self.layout, self.plan, self.policy, make_optimizer,
-                               scale=1.0 / self.layout.workers, dtype=dtype)
+                               scale=1.0 / self.layout.workers, dtype=dtype, lost=self.topology.lost)
 
     def serve(self) -> dict[str, Any]:
+        if self.role == "helper":
+            return self._help()
         return {"role": "server", **self.server.serve()}
+
+    def _help(self) -> dict[str, Any]:
+        """A helper's loop: slices of any step, until every slice of the run is handed out."""
+        assert self.source is not None, "the trainer binds the run's source before serve()"
+        last, pushed = self.source.total_steps - 1, None
+        while (ticket := self._next_slice(last, pushed)) is not None:
+            pushed = self._compute(ticket)
+        self.client.done()
+        return {"role": "helper", "rank": self.topology.rank, "slices": self._slices}
 
     def _connect(self) -> None:
         """Trainer rank 0, before anyone's first step: the servers get the (resumed) values and optimizer
@@ -191,7 +221,7 @@ class AsyncParameterServer(Strategy):
         if self._connected:
             return
         self._connected = True
-        if self.trainers.is_main:
+        if self.topology.rank == self.layout.worker_ranks[0]:
             state = None
             if self._initial_state is not None:
                 state = self.state_layout.from_single(self.plan, self._initial_state.get("state", {}),
@@ -219,13 +249,16 @@ class AsyncParameterServer(Strategy):
             self._pull(step)  # evaluation or a checkpoint read the servers since the ticket came
         if ticket is None:
             ticket = self._next_slice(step + 1, None)
-        while ticket is not None and ticket // n == step:
-            part = Shard(ticket % n, n)
-            piece = replace(batch, inputs=part.take(batch.inputs), targets=part.take(batch.targets))
-            losses.append(self._gradient(piece))
-            examples += len(piece)
-            ticket = self._next_slice(step + 1, (self.clock, self._lr, ticket))  # carries this slice's push
-            self.clock += 1
+        while ticket is not None and ticket // n <= step:  # earlier: one a lost worker held (tolerant)
+            if ticket // n == step:
+                piece = self._slice(batch, ticket)
+                losses.append(self._gradient(piece))
+                examples += len(piece)
+                pushed = (self.clock, self._lr, ticket)
+                self.clock += 1
+            else:
+                pushed = self._compute(ticket)
+            ticket = self._next_slice(step + 1, pushed)  # carries this slice's push
         if ticket is not None and ticket // n != step + 1:
             raise CommunicationError(f"{self.layout.name(self.topology.rank)} got slice {ticket} of step "
                                      f"{ticket // n} while at step {step}: the workers' steps disagree")
@@ -236,13 +269,31 @@ class AsyncParameterServer(Strategy):
         loss = torch.stack(losses).mean() if losses else None
         return StepResult(loss, examples)
 
+    def _slice(self, batch: Batch, ticket: int) -> Batch:
+        part = Shard(ticket % self.layout.workers, self.layout.workers)
+        return replace(batch, inputs=part.take(batch.inputs), targets=part.take(batch.targets))
+
+    def _compute(self, ticket: int) -> tuple[int, float, int]:
+        """The gradient of slice ``ticket`` of any step, from that step's batch; returns its push (clock, lr,
+        ticket). A helper's slices, or an earlier step's slice that a lost worker held."""
+        step = ticket // self.layout.workers
+        started = time.perf_counter()
+        self._gradient(self._slice(self.source.batch_at(step), ticket))
+        self.traffic.examples += self._global_batch // self.layout.workers
+        self.source.after_slice(time.perf_counter() - started, step)
+        pushed = (self.clock, float(self.source.lr_at(step)), ticket)
+        self.clock += 1
+        return pushed
+
     def _pull(self, step: int) -> None:
         self._counted(self.client.pull, step)
 
-    def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None) -> int | None:
-        ticket = self._counted(self.client.next_slice, step, pushed)
+    def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None,
+                    wait: bool = False) -> int | None:
+        ticket = self._counted(self.client.next_slice, step, pushed, wait)
         if ticket is not None:
             self._window.add(self.client.last_staleness)
+            self._slices += 1
         return ticket
 
     def _counted(self, call: Callable[..., Any], *args: Any) -> Any:
@@ -270,9 +321,19 @@ class AsyncParameterServer(Strategy):
         """The servers' values at this trainer's step into the model (for evaluation and saving)."""
         self._connect()
         if self._read_at != self.step:
+            if self.tolerant and self.step > 0:
+                self._mop_up(self.step)
             self.client.read(self.step)
             self._read_at = self.step
             self._ahead_loaded = False  # the values pulled for a kept slice are replaced
+
+    def _mop_up(self, step: int) -> None:
+        """Worker 0, before it reads the values at ``step``: compute the slices of earlier steps that lost
+        workers held, until every slice before ``step`` is applied (it may be the only worker left)."""
+        pushed = None
+        while (ticket := self._next_slice(step - 1, pushed, wait=True)) is not None:
+            pushed = self._compute(ticket)
+        self._ahead_loaded = False  # the values pulled for a kept slice were replaced
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -296,8 +357,11 @@ class AsyncParameterServer(Strategy):
         out = super().summary_metrics()
         if self.trainers.is_main:
             self._connect()
-            rows, duplicates = self.client.records(self.step)
-            out.update(staleness_summary(rows, duplicates, self.policy.bound))
+            records = self.client.records(self.step)
+            out.update(staleness_summary(records.rows, records.duplicates, self.policy.bound))
+            if self.tolerant:
+                out.update(workers=self.layout.workers, workers_lost=sorted(records.lost),
+                           slices_skipped=records.skipped)
         return out
 
     # -- the whole model's state ----------------------------------------------------------------------
@@ -322,7 +386,7 @@ class AsyncParameterServer(Strategy):
             return  # the servers get the values and optimizer state from trainer rank 0 (_connect)
         self.model.load_state_dict(state["model"])
         self.clock = self.step = int(state.get("step", 0))
-        self._initial_state = state["optimizer"] if self.trainers.is_main else None
+        self._initial_state = state["optimizer"] if self.topology.rank == self.layout.worker_ranks[0] else None
 
 
 def _ranks(first: int, stop: int) -> str:
