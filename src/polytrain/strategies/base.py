@@ -4,7 +4,8 @@ A strategy owns everything that differs between ways of training one model over 
 
 * the layout (:meth:`Strategy.processes`, :meth:`Strategy.arrange`): how many processes ``--workers N``
   needs, and how they lie on the named ``dp``/``pp`` axes;
-* each rank's :attr:`~Strategy.role`: ``trainer`` ranks run the trainer's loop, ``server`` ranks run
+* each rank's :attr:`~Strategy.role`: ``trainer`` ranks run the trainer's loop, ``server`` ranks (and
+  ``helper`` ranks, which compute work handed out by a server outside the trainer's loop) run
   :meth:`~Strategy.serve` instead;
 * the model and optimizer (:meth:`~Strategy.prepare`), the step (:meth:`~Strategy.train_step`: micro-batches,
   forward, backward, exchange, update), evaluation (:meth:`~Strategy.eval_step`), and the whole model's
@@ -31,7 +32,7 @@ from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
 from polytrain.options import section_defaults
-from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
+from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -54,6 +55,7 @@ class Strategy:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.recipe = StepRecipe()
+        self.source: RunSource | None = None  # any step's batch and LR (the trainer binds it)
         #: this rank's bytes sent and received in the exchange, and examples trained on (for bytes per example)
         self.traffic = Traffic()
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
@@ -115,7 +117,7 @@ class Strategy:
 
     @property
     def role(self) -> str:
-        """``trainer`` (runs the trainer's loop) or ``server`` (runs :meth:`serve`)."""
+        """``trainer`` (runs the trainer's loop), or ``server`` or ``helper`` (runs :meth:`serve`)."""
         return "trainer"
 
     @property
@@ -124,8 +126,13 @@ class Strategy:
         reduced over it, and its rank 0 logs."""
         return self.topology
 
+    def bind(self, source: RunSource) -> None:
+        """Called by the trainer on every rank before training: any step's batch and learning rate, for a
+        strategy whose ranks take work out of step order (a ``helper`` rank's loop)."""
+        self.source = source
+
     def serve(self) -> dict[str, Any]:
-        """A server rank's whole loop; returns its summary."""
+        """A ``server`` or ``helper`` rank's whole loop; returns its summary."""
         raise NotImplementedError(f"strategy {self.name} has no server ranks")
 
     def finish(self) -> None:
