@@ -16,6 +16,11 @@ Normal ends are not deaths: a rank that finishes (a parameter server, a pipeline
 the others) says goodbye, which sets its counter past ``BYE``; a rank that fails with an error says so
 (counter past ``FAILED``, its message under its own key), and the others report that at their next look
 instead of waiting out the timeout.
+
+Expendable ranks (``--tolerate-worker-loss``: a :class:`~polytrain.distributed.lost.LostRanks` given as
+``lost``) are the exception: one that goes silent, never starts or fails is no loss of the job. The watcher
+reports it to ``lost`` (with the message the error would have had), stops watching it and goes on watching the
+others; the process learns of it from the registry (``topology.lost``), not by ending.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
+from polytrain.distributed.lost import LostRanks
 from polytrain.errors import PeerLostError
 from polytrain.log import get_logger
 
@@ -55,13 +61,14 @@ class Heartbeat:
     ``store`` should be a connection of its own (``TCPStore.clone()``, or a client made for it): the
     thread's reads must not wait behind the main thread's. ``prefix`` separates one job (or one restart of
     it) from another in a store that outlives it, as torchrun's does. ``names[r]`` says what rank ``r`` is in
-    the error ("parameter server rank 3"). ``on_lost(error)`` is called once, from the thread.
+    the error ("parameter server rank 3"). ``on_lost(error)`` is called once, from the thread. A rank in
+    ``lost.expendable`` that is lost is reported to ``lost`` instead, and no longer watched.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout: float,
                  on_lost: Callable[[PeerLostError], None], prefix: str = "polytrain/heartbeat",
                  names: Sequence[str] | None = None, interval: float | None = None,
-                 start_timeout: float | None = None, address: str | None = None):
+                 start_timeout: float | None = None, address: str | None = None, lost: LostRanks | None = None):
         self.store = store
         self.address = address  # HOST:PORT of the store, for the error when it is lost
         self.rank = rank
@@ -72,6 +79,8 @@ class Heartbeat:
         self.on_lost = on_lost
         self.prefix = prefix.rstrip("/")
         self.names = list(names) if names else None
+        self.lost = lost if lost is not None else LostRanks()
+        self._unwatched: set[int] = set()  # expendable ranks reported lost: the thread's own, no lock
         self._keys = [self._key("beat", r) for r in range(world_size)]
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread reports a loss, or the owner stops it: one of the two
@@ -178,24 +187,37 @@ class Heartbeat:
 
     def _check(self, values: list[int], seen: list[int], moved: list[float], now: float,
                started: float) -> PeerLostError | None:
+        """The first lost rank the job cannot go on without (None: none); expendable ones are reported."""
         for rank, value in enumerate(values):
-            if rank == self.rank:
+            if rank == self.rank or rank in self._unwatched:
                 continue
-            if value >= FAILED:
-                return PeerLostError(f"{self._describe(rank)} failed: {self._failure(rank)}", rank)
-            if value >= BYE:
+            error = self._verdict(rank, value, seen, moved, now, started)
+            if error is None:
                 continue
-            if value != seen[rank]:
-                seen[rank], moved[rank] = value, now
-                continue
-            silent = now - moved[rank]
-            if value == 0 and now - started > self.start_timeout:
-                return PeerLostError(f"{self._describe(rank)} sent no heartbeat within {self.start_timeout:g} s of "
-                                     "the start: it did not start, or died starting", rank)
-            if value > 0 and silent > self.timeout:
-                return PeerLostError(
-                    f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s (bound: --heartbeat-timeout "
-                    f"{self.timeout:g}): it died, was stopped, or its machine is unreachable", rank)
+            if rank not in self.lost.expendable:
+                return error
+            self._unwatched.add(rank)  # it may beat again (frozen, then continued): it stays lost
+            self.lost.report(rank, str(error))
+        return None
+
+    def _verdict(self, rank: int, value: int, seen: list[int], moved: list[float], now: float,
+                 started: float) -> PeerLostError | None:
+        """Whether ``rank``, whose counter reads ``value``, is lost (the error that says so) or not (None)."""
+        if value >= FAILED:
+            return PeerLostError(f"{self._describe(rank)} failed: {self._failure(rank)}", rank)
+        if value >= BYE:
+            return None
+        if value != seen[rank]:
+            seen[rank], moved[rank] = value, now
+            return None
+        silent = now - moved[rank]
+        if value == 0 and now - started > self.start_timeout:
+            return PeerLostError(f"{self._describe(rank)} sent no heartbeat within {self.start_timeout:g} s of "
+                                 "the start: it did not start, or died starting", rank)
+        if value > 0 and silent > self.timeout:
+            return PeerLostError(
+                f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s (bound: --heartbeat-timeout "
+                f"{self.timeout:g}): it died, was stopped, or its machine is unreachable", rank)
         return None
 
     def _lose(self, error: PeerLostError) -> None:
@@ -285,14 +307,15 @@ class NoHeartbeat:
 def watch_peers(address: str, port: int, rank: int, world_size: int, timeout: float, *,
                 connect_timeout: float, names: Sequence[str] | None = None,
                 report: Callable[[PeerLostError], None] | None = None,
-                prefix: str = "polytrain/heartbeat") -> Heartbeat | NoHeartbeat:
+                prefix: str = "polytrain/heartbeat", lost: LostRanks | None = None) -> Heartbeat | NoHeartbeat:
     """Start this rank's heartbeat on a connection of its own to the store at ``address:port``; a lost
-    peer ends this process (:func:`exit_on_loss`). ``timeout`` 0 turns it off."""
+    peer ends this process (:func:`exit_on_loss`), unless it is expendable in ``lost``: then it is reported
+    there. ``timeout`` 0 turns it off."""
     if timeout <= 0 or world_size < 2:
         return NoHeartbeat()
     store = dist.TCPStore(address, port, None, is_master=False, timeout=store_timeout(connect_timeout))
     return Heartbeat(store, rank, world_size, timeout=timeout, on_lost=exit_on_loss(report), prefix=prefix,
-                     names=names, address=f"{address}:{port}").start()
+                     names=names, address=f"{address}:{port}", lost=lost).start()
 
 
 def store_timeout(seconds: float) -> timedelta:
