@@ -18,6 +18,7 @@ import torch.distributed as dist
 import polytrain
 from polytrain.distributed.heartbeat import Heartbeat
 from polytrain.distributed.launch import _start_context
+from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
 from polytrain.errors import PeerLostError, WorkerError
 from tests.helpers.procs import leftover_children
@@ -212,3 +213,108 @@ def test_a_rank_that_never_beats_is_named_after_the_start_bound():
         watcher.goodbye()
     finally:
         server.close()
+
+
+def test_expendable_ranks_are_reported_to_the_registry_and_the_others_still_watched():
+    """One heartbeat of a world of 4 on a real store: rank 1 (expendable) fails, rank 2 (expendable) and rank 3
+    never start. Ranks 1 and 2 go to the registry, once each; only rank 3 is the job's loss."""
+    server = StoreServer(timedelta(seconds=10))
+    try:
+        on_lost, registry, heard = _Lost(), LostRanks([1, 2]), []
+        registry.listen(lambda rank, reason: heard.append((rank, reason)))
+        watcher = Heartbeat(server.store.clone(), 0, 4, timeout=5.0, interval=0.1, start_timeout=1.5,
+                            on_lost=on_lost, lost=registry).start()
+        other = Heartbeat(server.store.clone(), 1, 4, timeout=5.0, interval=0.1, on_lost=_Lost()).start()
+        other.failed("ValueError: boom")
+        assert on_lost.seen.wait(10)
+        assert [e.rank for e in on_lost.errors] == [3]
+        assert str(on_lost.errors[0]).startswith("rank 3 sent no heartbeat within 1.5 s of the start")
+        assert [rank for rank, _ in heard] == [1, 2]  # rank 1 at its failure mark, before rank 2's start bound
+        assert heard[0][1].startswith("rank 1 (host ") and heard[0][1].endswith("failed: ValueError: boom")
+        assert heard[1][1] == "rank 2 sent no heartbeat within 1.5 s of the start: it did not start, or died starting"
+        watcher.goodbye()
+    finally:
+        server.close()
+
+
+# -- expendable ranks (--tolerate-worker-loss): their loss is news for the others, not the end of the job ------
+
+EXPENDABLE_TIMEOUT = 1.5
+SURVIVE_S = 5.0  # how long the survivors go on: longer than the bound, so the heartbeat has judged rank 2
+
+
+def _lose_rank_2(ctx, how):
+    """Rank 2 goes (``how``: "kill" or "freeze") once every rank beats; the others go on for SURVIVE_S and
+    return what their registry heard, and when."""
+    started = time.monotonic()
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    heard = []
+    ctx.topology.lost.listen(lambda rank, reason: heard.append((rank, reason, time.monotonic() - started)))
+    time.sleep(SURVIVE_S)  # no collective: gloo would fail one at once when a peer's connection closes
+    return {"rank": ctx.rank, "heard": heard, "lost": ctx.topology.lost.lost(),
+            "expendable": sorted(ctx.topology.lost.expendable)}
+
+
+def _launch_losing_rank_2(how, caplog):
+    with caplog.at_level("WARNING"):
+        return polytrain.launch(_lose_rank_2, how, workers=3, device="cpu", backend="gloo", timeout=60,
+                                threads_per_worker=1, heartbeat_timeout=EXPENDABLE_TIMEOUT, expendable=[2])
+
+
+def _assert_rank_2_lost(results):
+    assert results[2] is None and [r["rank"] for r in results[:2]] == [0, 1]
+    for result in results[:2]:
+        assert result["expendable"] == [2]
+        (rank, reason, after), = result["heard"]  # once, by the heartbeat's thread
+        assert rank == 2 and result["lost"] == {2: reason}
+        assert reason.startswith("rank 2 (host ") and "sent no heartbeat for" in reason, reason
+        assert after < EXPENDABLE_TIMEOUT + 3.0, f"heard {after:.1f} s after the start"  # bound + a beat + slack
+
+
+def test_a_killed_expendable_rank_is_news_for_the_survivors_not_the_end_of_the_job(caplog):
+    results = _launch_losing_rank_2("kill", caplog)
+    _assert_rank_2_lost(results)
+    warnings = [r.getMessage() for r in caplog.records if "going on without it" in r.getMessage()]
+    assert warnings == ["worker rank 2 was killed by signal SIGKILL; going on without it (--tolerate-worker-loss)"]
+    assert leftover_children(os.getpid()) == []
+
+
+def test_a_frozen_expendable_rank_is_stopped_once_the_others_are_done(caplog):
+    results = _launch_losing_rank_2("freeze", caplog)
+    _assert_rank_2_lost(results)
+    warnings = [r.getMessage() for r in caplog.records if "going on without it" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("worker rank 2 was still running "), warnings
+    assert leftover_children(os.getpid()) == []
+
+
+def _kill_rank(ctx, victim):
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # until stopped by the launcher
+
+
+def test_a_rank_that_is_not_expendable_still_ends_the_job():
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"^worker rank 1 was killed by signal SIGKILL.*; all workers were stopped$"):
+        polytrain.launch(_kill_rank, 1, workers=3, device="cpu", backend="gloo", timeout=60, threads_per_worker=1,
+                         heartbeat_timeout=EXPENDABLE_TIMEOUT, expendable=[2])
+    assert time.monotonic() - started < 30
+    assert leftover_children(os.getpid()) == []
+
+
+def _freeze_rank_0(ctx):
+    if ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)  # expendable ranks 1 and 2: until their heartbeat ends them
+
+
+def test_expendable_ranks_that_lose_rank_0_end_the_job_naming_it():
+    """Rank 0 frozen, its process alive: only the expendable ranks' heartbeats see it. Their PeerLostError is
+    the job's failure, not two losses to go on without (the launcher would wait for rank 0 for ever)."""
+    started = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"^\[rank [12]\] rank 0 \(host .*\) sent no heartbeat for"):
+        polytrain.launch(_freeze_rank_0, workers=3, device="cpu", backend="gloo", timeout=60, threads_per_worker=1,
+                         heartbeat_timeout=EXPENDABLE_TIMEOUT, expendable=[1, 2])
+    assert time.monotonic() - started < 30
+    assert leftover_children(os.getpid()) == []

@@ -215,3 +215,31 @@ def test_an_unknown_start_method_is_one_line_before_any_worker(monkeypatch):
     with pytest.raises(ConfigError, match="^POLYTRAIN_START_METHOD=fork: must be one of forkserver, spawn$"):
         launch(_whoami, 0, workers=2)
     assert leftover_children(os.getpid()) == []
+
+
+def test_expendable_ranks_are_refused_under_torchrun_before_joining_its_group(monkeypatch):
+    # no MASTER_PORT: joining the group would fail with another error, or wait for peers that never come
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"^--tolerate-worker-loss needs polytrain's own launcher: torchrun's agent "
+                                          r"stops every worker of a machine when one fails; start the job with "
+                                          r"polytrain train, without torchrun$"):
+        launch(_whoami, 0, workers=2, expendable=[1])
+    assert not dist.is_initialized()
+
+
+def test_expendable_ranks_need_the_heartbeat_and_a_rank_of_the_job_other_than_0():
+    with pytest.raises(ConfigError, match=r"^--tolerate-worker-loss needs the heartbeat: the parameter servers learn "
+                                          r"that a worker died from it; give --heartbeat-timeout > 0$"):
+        launch(_whoami, 0, workers=3, expendable=[1, 2], heartbeat_timeout=0)
+    for ranks, bad in (([0, 1], "0"), ([2, 3, 5], "3, 5")):
+        with pytest.raises(ConfigError, match=rf"^expendable rank\(s\) {bad}: must be in 1\.\.2 \(a job of 3 "
+                                              r"processes; rank 0, which logs, evaluates and checkpoints, never is "
+                                              r"expendable\)$"):
+            launch(_whoami, 0, workers=3, expendable=ranks)
+    assert leftover_children(os.getpid()) == []
+
+
+def test_one_worker_has_nothing_to_tolerate():
+    result, = launch(_in_process, workers=1, expendable=[1, 2], heartbeat_timeout=0)
+    assert result == (0, 1, os.getpid())

@@ -9,6 +9,10 @@ rank order. Three ways in, one result:
 * ``workers == 1`` runs ``fn`` in this process, without a process group;
 * otherwise N processes are spawned, rendezvous through a store that listens on 127.0.0.1 only, and
   are supervised: if one dies, the rest are stopped and the error names the rank.
+
+``expendable`` ranks (``--tolerate-worker-loss``; never rank 0) are the exception, with spawned workers only:
+when one dies the others go on, learn of it from their heartbeat through ``ctx.topology.lost``
+(:mod:`polytrain.distributed.lost`), and its result is None.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.multiprocessing as mp
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.heartbeat import watch_peers
+from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
 from polytrain.distributed.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.distributed.topology import Topology
@@ -112,6 +117,7 @@ class _Job:
     environ: tuple[tuple[str, str], ...] = ()
     heartbeat_timeout: float = 0.0
     rank_names: tuple[str, ...] | None = None
+    expendable: tuple[int, ...] = ()  # ranks the job goes on without (--tolerate-worker-loss)
 
 
 #: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
@@ -189,7 +195,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            backend: str = "auto", timeout: float = 300.0, threads_per_worker: int | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
            soft_placement: bool = False, host_memory: str = "cache",
-           rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0) -> list[Any]:
+           rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0,
+           expendable: Sequence[int] = ()) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -199,7 +206,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     memory (``cache``: kept for reuse; ``release``: glibc's default), see :mod:`polytrain.devices.host_memory`.
     ``rank_names`` says what each rank is when its failure is reported (default "worker rank N").
     ``heartbeat_timeout``: a rank silent this long is reported on every other rank, which then exits
-    (:mod:`polytrain.distributed.heartbeat`; 0: off).
+    (:mod:`polytrain.distributed.heartbeat`; 0: off). ``expendable`` ranks (1..N-1) may die without ending
+    the job: the others learn of it through ``ctx.topology.lost``, and their result is None; this needs
+    spawned workers (not torchrun) and the heartbeat. With one worker it means nothing.
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
@@ -208,6 +217,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     if host_memory not in HOST_MEMORY_CHOICES:
         raise ConfigError(f"host_memory must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {host_memory!r}")
     if under_torchrun():
+        _check_torchrun_expendable(expendable)
         set_host_memory(host_memory)
         return [_join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout)]
     if getattr(mp.current_process(), "_inheriting", False):
@@ -220,8 +230,31 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     job = _Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory, heartbeat_timeout=heartbeat_timeout,
-               rank_names=tuple(rank_names) if rank_names else None)
+               rank_names=tuple(rank_names) if rank_names else None,
+               expendable=_check_expendable(expendable, count, heartbeat_timeout))
     return _spawn(job, master_port, rank_names)
+
+
+def _check_torchrun_expendable(expendable: Sequence[int]) -> None:
+    if expendable:
+        raise ConfigError("--tolerate-worker-loss needs polytrain's own launcher: torchrun's agent stops every "
+                          "worker of a machine when one fails; start the job with polytrain train, without torchrun")
+
+
+def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_timeout: float) -> tuple[int, ...]:
+    """The expendable ranks of a spawned job of ``world_size``, checked."""
+    ranks = tuple(sorted(set(int(rank) for rank in expendable)))
+    if not ranks:
+        return ()
+    outside = [rank for rank in ranks if not 1 <= rank < world_size]
+    if outside:
+        raise ConfigError(f"expendable rank(s) {', '.join(map(str, outside))}: must be in 1..{world_size - 1} "
+                          f"(a job of {world_size} processes; rank 0, which logs, evaluates and checkpoints, "
+                          "never is expendable)")
+    if heartbeat_timeout <= 0:
+        raise ConfigError("--tolerate-worker-loss needs the heartbeat: the parameter servers learn that a worker "
+                          "died from it; give --heartbeat-timeout > 0")
+    return ranks
 
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
@@ -247,7 +280,7 @@ def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | Non
                 send.close()
                 processes.append(proc)
                 conns.append(recv)
-        return supervise(processes, conns, rank_names)
+        return supervise(processes, conns, rank_names, frozenset(job.expendable))
     except KeyboardInterrupt:
         stop_all(processes)
         raise
@@ -332,7 +365,8 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
         topology = _init_spawned(job, rank)
         beat = watch_peers("127.0.0.1", job.store_port, rank, job.world_size, job.heartbeat_timeout,
                            connect_timeout=job.timeout_s, names=job.rank_names,
-                           report=lambda error: send_report(conn, "error", describe_exception(error)))
+                           report=lambda error: send_report(conn, "error", describe_exception(error)),
+                           lost=topology.lost)
         try:
             result = _with_heartbeat(beat, job.fn, WorkerContext(topology), *job.args)
         finally:
@@ -363,7 +397,8 @@ def _init_spawned(job: _Job, rank: int) -> Topology:
         torch.cuda.set_device(device)
     store = connect_store("127.0.0.1", job.store_port, timeout)
     dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size, timeout=timeout)
-    return Topology(rank, job.world_size, rank, job.world_size, device, job.backend, dist.group.WORLD, timeout)
+    return Topology(rank, job.world_size, rank, job.world_size, device, job.backend, dist.group.WORLD, timeout,
+                    lost=LostRanks(job.expendable))
 
 
 def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, backend: str,
