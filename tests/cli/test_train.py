@@ -79,3 +79,15 @@ def test_bad_settings_are_one_line_before_any_worker_starts(cli_env, args, messa
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert proc.stdout == ""  # a started run prints its opening lines first
+
+
+def test_tolerate_worker_loss_under_torchrun_is_one_line_before_joining_its_group(cli_env):
+    """A torchrun worker's environment, without MASTER_PORT: had it tried to join the group, it would fail
+    otherwise (or wait for peers that never come)."""
+    env = dict(cli_env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    proc = polytrain("--strategy", "async", "--workers", "1", "--tolerate-worker-loss", "--steps", "1", env=env,
+                     timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[0]] and "--tolerate-worker-loss needs polytrain's own launcher: torchrun's agent stops " \
+                                   "every worker of a machine when one fails" in lines[0], proc.stderr

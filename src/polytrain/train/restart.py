@@ -5,7 +5,9 @@ has already stopped every worker; :func:`run` then starts the job again with ``-
 good checkpoint in ``--checkpoint-dir``, up to R times. Each restart is logged with its cause (which rank,
 how it died) and the checkpoint it resumes from, written to the metrics file as a ``restart`` record, and
 listed in the summary (``restarts``, ``restart_causes``). An error that a restart cannot fix (a bad
-setting, a diverged model, missing data) is raised at once.
+setting, a diverged model, missing data) is raised at once. With ``--tolerate-worker-loss`` the death of an
+expendable worker is no failure (the launcher goes on without it, :mod:`polytrain.distributed.supervisor`):
+nothing is raised, so nothing restarts; the same launch serves both, there is no second path to pass it to.
 
 Under ``torchrun`` the processes are torchrun's: its elastic agent restarts them (``torchrun
 --max-restarts R``), and a restarted worker resumes from the latest checkpoint by itself

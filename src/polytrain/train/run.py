@@ -68,21 +68,31 @@ def _check_dataset_size(train_size: int | None, processes: int, global_batch: in
                           "use a smaller batch")
 
 
+def _expendable(config: RunConfig, strategy: Any, options: Any) -> list[int]:
+    """The ranks the job goes on without if they die (--tolerate-worker-loss). Under torchrun too, where launch
+    refuses them: asked with torchrun's world size (--workers means nothing there), so that the refusal fires
+    whatever --workers says."""
+    workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else \
+        resolve_workers(config.launch.workers, config.device.device)
+    return strategy.expendable_ranks(workers, options)
+
+
 def run(config: RunConfig, *, model: nn.Module | None = None,
         data: DataBundle | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
     (None in the other processes of a torchrun job)."""
     processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
     strategy = get_strategy(config.train.strategy)
+    options = strategy_options(config, strategy)
     names = None if under_torchrun() else strategy.rank_names(
-        resolve_workers(config.launch.workers, config.device.device), strategy_options(config, strategy))
+        resolve_workers(config.launch.workers, config.device.device), options)
     results = launch(
         train_worker, config, model, data,
         workers=processes, device=config.device.device, backend=config.launch.backend,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory, rank_names=names,
-        heartbeat_timeout=config.launch.heartbeat_timeout,
+        heartbeat_timeout=config.launch.heartbeat_timeout, expendable=_expendable(config, strategy, options),
     )
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None
