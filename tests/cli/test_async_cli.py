@@ -8,7 +8,7 @@ from tests.cli.test_train import polytrain
 @pytest.mark.parametrize("args, message", [
     (["--servers", "0"], "--servers: must be >= 1, got 0"),
     (["--staleness", "-1"], "--staleness: must be >= 0, got -1"),
-    (["--tolerate-worker-loss"], "--tolerate-worker-loss: not supported yet by --strategy async"),
+    (["--tolerate-worker-loss", "--workers", "2", "--heartbeat-timeout", "0"], "needs the heartbeat"),
     (["--batch-size", "33", "--workers", "2"], "--batch-size 33 does not divide over 2 workers"),
 ])
 def test_bad_async_settings_are_one_line_before_anything_starts(cli_env, args, message):
@@ -35,3 +35,16 @@ def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
     assert ("--batch-size 32 counts one step: 2 slices of 16 examples, handed to whichever worker is free, each "
             "applied alone at lr/2") in out
     assert "done: 12 steps" in out and "with async on 2 worker(s)" in out
+
+
+def test_a_lost_helper_is_named_in_the_summary_and_the_run_ends_well(cli_env, tmp_path):
+    env = {**cli_env, "POLYTRAIN_INJECT_KILL": "rank=1,steps=5"}
+    proc = polytrain("--strategy", "async", "--workers", "3", "--tolerate-worker-loss", "--heartbeat-timeout", "1.5",
+                     "--model", "mlp:hidden=16", "--steps", "30", "--batch-size", "48", "--timeout", "60",
+                     "--save-model", str(tmp_path / "model.pt"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "worker rank 1 was killed by signal SIGKILL; going on without it (--tolerate-worker-loss)" in out
+    assert "done: 30 steps" in out and "on 3 worker(s)" in out
+    assert "workers lost: rank(s) 1; the run went on without them" in out
+    assert (tmp_path / "model.pt").exists()

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -331,8 +331,9 @@ class AsyncParameterServer(Strategy):
         """Worker 0, before it reads the values at ``step``: compute the slices of earlier steps that lost
         workers held, until every slice before ``step`` is applied (it may be the only worker left)."""
         pushed = None
-        while (ticket := self._next_slice(step - 1, pushed, wait=True)) is not None:
-            pushed = self._compute(ticket)
+        with _training(self.model):  # called from evaluation, which runs in eval mode without autograd
+            while (ticket := self._next_slice(step - 1, pushed, wait=True)) is not None:
+                pushed = self._compute(ticket)
         self._ahead_loaded = False  # the values pulled for a kept slice were replaced
 
     @torch.no_grad()
@@ -387,6 +388,18 @@ class AsyncParameterServer(Strategy):
         self.model.load_state_dict(state["model"])
         self.clock = self.step = int(state.get("step", 0))
         self._initial_state = state["optimizer"] if self.topology.rank == self.layout.worker_ranks[0] else None
+
+
+@contextlib.contextmanager
+def _training(model: nn.Module) -> Iterator[None]:
+    """Autograd on and ``model`` in training mode, as in a step, whatever the caller had; restored after."""
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def _ranks(first: int, stop: int) -> str:
