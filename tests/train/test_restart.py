@@ -140,3 +140,25 @@ def test_a_malformed_kill_hook_is_one_line(monkeypatch, spec):
     with pytest.raises(ConfigError, match=rf"^{KILL_ENV}='{spec}': expected rank=R,steps=A\+B\+...\[,signal=SIGSTOP\] "
                                           r"\(.+\)$"):
         InjectedKill.from_env(0)
+
+
+def test_the_kill_hook_fires_at_its_step_or_once_at_the_first_slice_past_it(monkeypatch, tmp_path):
+    """A trainer rank steps 1, 2, 3...; an async helper computes slices of whatever steps it is handed, so its
+    kill fires at the first slice of the named step or a later one (SIGCONT: harmless to send to oneself)."""
+    from polytrain.train.restart import KILL_LOG_ENV, InjectedKill
+
+    log = tmp_path / "kills"
+    monkeypatch.setenv(KILL_LOG_ENV, str(log))
+    monkeypatch.setenv(KILL_ENV, "rank=1,steps=6,signal=SIGCONT")
+    fired = lambda: [int(line.split()[1]) for line in log.read_text().splitlines()] if log.exists() else []
+
+    stepping = InjectedKill.from_env(1)
+    for step in (5, 7, 6, 8):
+        stepping.after_step(step)
+    assert fired() == [6]
+    log.unlink()
+    slicing = InjectedKill.from_env(1)
+    for step in (2, 5, 9, 6, 11):
+        slicing.after_slice(step)
+    assert fired() == [9]
+    assert InjectedKill.from_env(0).step is None  # another rank's hook

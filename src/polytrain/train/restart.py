@@ -274,8 +274,18 @@ class InjectedKill:
 
     def after_step(self, step: int) -> None:
         if step == self.step:
-            get_logger().warning(f"{KILL_ENV}: sending this process {self.signal} after step {step}")
-            if os.environ.get(KILL_LOG_ENV):
-                with open(os.environ[KILL_LOG_ENV], "a") as fh:
-                    fh.write(f"{attempt_number()} {step} {time.time()}\n")
-            os.kill(os.getpid(), signal.Signals[self.signal])
+            self._fire(step)
+
+    def after_slice(self, step: int) -> None:
+        """After a rank that takes work out of step order (an ``async`` helper) computed something of ``step``
+        (counted as ``after_step``'s): it may never work on the named step itself, so the first at or past it."""
+        if self.step is not None and step >= self.step:
+            self.step = None  # once: a SIGSTOPped rank may go on after SIGCONT
+            self._fire(step)
+
+    def _fire(self, step: int) -> None:
+        get_logger().warning(f"{KILL_ENV}: sending this process {self.signal} after step {step}")
+        if os.environ.get(KILL_LOG_ENV):
+            with open(os.environ[KILL_LOG_ENV], "a") as fh:
+                fh.write(f"{attempt_number()} {step} {time.time()}\n")
+        os.kill(os.getpid(), signal.Signals[self.signal])

@@ -77,7 +77,7 @@ class Trainer:
 
         def after_slice(compute_s: float, step: int) -> None:
             self.straggler.after_step(compute_s)
-            self.kill.after_step(step + 1)
+            self.kill.after_slice(step + 1)
 
         return RunSource(batches.at, s.schedule, s.total_steps, after_slice)
 
