@@ -109,3 +109,16 @@ def test_a_malformed_set_is_one_line(tmp_path, capsys):
     assert main(["compare", "--set", "comm", "--out", str(tmp_path), "--no-plot"]) == 2
     assert capsys.readouterr().err == "polytrain: error: --set: expected key=value, got 'comm'\n"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_shared_setting_of_one_strategy_goes_to_its_cases_only():
+    """``--set comm=backend`` is sync's: every other case would refuse it (a setting it does not read)."""
+    from polytrain.compare.specs import CompareConfig
+
+    cfg = CompareConfig(extra={"comm": "backend", "staleness": "2", "threads-per-worker": "1"})
+    shared = {name: {k: v for k, v in cfg.settings(parse_spec(name), []).items() if k in cfg.extra}
+              for name in ("sync", "async", "diloco")}
+    assert shared == {"sync": {"comm": "backend", "threads-per-worker": "1"},
+                      "async": {"staleness": "2", "threads-per-worker": "1"},
+                      "diloco": {"threads-per-worker": "1"}}
+    assert cfg.settings(parse_spec("async:staleness=0"), [])["staleness"] == "0"  # the case's own wins

@@ -27,3 +27,34 @@ def test_a_batch_larger_than_data_given_from_python_is_one_line():
                                           r"\(4 examples\); use a smaller batch or fewer workers$"):
         polytrain.fit(data=data, model="mlp:hidden=4", strategy="single", batch_size=8, steps=1, progress="off",
                       eval_every=0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(strategy="sync", servers=2),
+     "--servers 2 is a setting of --strategy async, which --strategy sync does not read; drop it, or use async"),
+    (dict(strategy="diloco", tolerate_worker_loss=True),
+     "--tolerate-worker-loss is a setting of --strategy async, which --strategy diloco does not read; drop it, "
+     "or use async"),
+    (dict(strategy="async", sync_every=4),
+     "--sync-every 4 is a setting of --strategy diloco and local-sgd, which --strategy async does not read; "
+     "drop it, or use diloco or local-sgd"),
+    (dict(strategy="single", comm="backend", staleness=2, microbatches=2),
+     "--staleness 2 (async), --microbatches 2 (hybrid, pipeline), --comm backend (sync): settings of other "
+     "strategies, which --strategy single does not read; drop them"),
+    (dict(strategy="pipeline", dp=2), "--dp 2: the mesh of --strategy hybrid; --strategy pipeline has one replica "
+                                      "of --stages stages (drop it, or use hybrid)"),
+])
+def test_a_setting_of_another_strategy_is_one_line(settings, message):
+    """Left silently unread, --servers or --tolerate-worker-loss would leave the user thinking they act."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        check(make_config(data="digits", workers=2, **settings))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(strategy="async", servers=2, staleness=1, tolerate_worker_loss=True),
+    dict(strategy="local-sgd", sync_every=4), dict(strategy="diloco", sync_every=4, outer_lr=0.5),
+    dict(strategy="hybrid", dp=1, pp=2, model="mlp:hidden=8x8"),
+    dict(strategy="sync", comm="backend", tolerate_worker_loss=False, servers=1),  # defaults given: nothing unread
+])
+def test_a_strategy_accepts_its_own_settings(settings):
+    check(make_config(data="digits", workers=2, **settings))

@@ -100,5 +100,18 @@ class CompareConfig:
             "data": self.data, "model": self.model, "optimizer": self.optimizer, "lr": self.lr,
             "momentum": self.momentum, "workers": self.workers, "worker_batch_size": self.worker_batch_size,
             "steps": self.steps, "eval_every": self.eval_every, "log_every": self.log_every, "seed": self.seed,
-            "progress": "off", **self.extra, **spec.settings, "strategy": spec.name, "straggler": list(stragglers),
+            "progress": "off", **self.shared(spec.name), **spec.settings, "strategy": spec.name,
+            "straggler": list(stragglers),
         }
+
+    def shared(self, strategy: str) -> dict[str, Any]:
+        """``--set``'s settings that ``strategy`` reads: one of a strategy's own (``comm=backend``: sync's)
+        goes to that strategy's cases only, where a run would refuse it."""
+        from polytrain.config import all_options
+        from polytrain.strategies import get_strategy
+        from polytrain.strategies.base import strategy_sections
+
+        own = get_strategy(strategy).config_section
+        section = {info.key: info.section for info in all_options()}
+        others = set(strategy_sections()) - {own}
+        return {key: value for key, value in self.extra.items() if section.get(key.replace("-", "_")) not in others}

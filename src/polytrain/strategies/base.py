@@ -21,6 +21,7 @@ the trainer never asks which one it has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator
@@ -303,6 +304,49 @@ def get_strategy(name: str) -> type[Strategy]:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
                           f"{', '.join(available_strategies())}, or package.module:Class") from None
+
+
+def strategy_sections() -> dict[str, list[str]]:
+    """Each strategy's config section and the strategies that read it (``periodic``: local-sgd, diloco)."""
+    owners: dict[str, list[str]] = {}
+    for name, cls in sorted(_REGISTRY.items()):
+        if cls.config_section:
+            owners.setdefault(cls.config_section, []).append(name)
+    return owners
+
+
+def unread_settings(config: Any, strategy: type[Strategy]) -> list[tuple[str, Any, list[str]]]:
+    """Settings changed from their default in another strategy's config section, which ``strategy`` never
+    reads: (key, value, the strategies that read it)."""
+    out = []
+    for section, owners in strategy_sections().items():
+        if section == strategy.config_section:
+            continue
+        values, defaults = getattr(config, section), section_defaults(section)
+        out += [(f.name, getattr(values, f.name), owners) for f in dataclasses.fields(values)
+                if getattr(values, f.name) != getattr(defaults, f.name)]
+    return out
+
+
+def check_settings_read(config: Any, strategy: type[Strategy]) -> None:
+    """One error line when a setting of another strategy was given: the run would ignore it (``--servers 2``
+    or ``--tolerate-worker-loss`` with ``--strategy sync``), and a run that drops what was asked is not the
+    run that was asked for."""
+    unread = unread_settings(config, strategy)
+    if not unread:
+        return
+    if len(unread) == 1:
+        (key, value, owners), = unread
+        raise ConfigError(f"{_flag(key, value)} is a setting of --strategy {' and '.join(owners)}, which "
+                          f"--strategy {strategy.name} does not read; drop it, or use {' or '.join(owners)}")
+    given = ", ".join(f"{_flag(key, value)} ({', '.join(owners)})" for key, value, owners in unread)
+    raise ConfigError(f"{given}: settings of other strategies, which --strategy {strategy.name} does not read; "
+                      "drop them")
+
+
+def _flag(key: str, value: Any) -> str:
+    flag = "--" + key.replace("_", "-")
+    return flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
 
 
 def _import_strategy(spec: str) -> type[Strategy]:

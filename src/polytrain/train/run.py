@@ -20,6 +20,7 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.errors import ConfigError
 from polytrain.models.registry import check_model
 from polytrain.strategies import get_strategy
+from polytrain.strategies.base import check_settings_read
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
 from polytrain.train.session import strategy_options
@@ -39,6 +40,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(workers, config.global_batch(slices), config.train.accumulate, options)
     strategy.check_config(config, model)
+    check_settings_read(config, strategy)
     check_stragglers(config.straggler.straggler, workers)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):

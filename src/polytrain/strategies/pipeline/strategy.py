@@ -102,6 +102,11 @@ class Pipeline(Strategy):
             raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
                               "--loss model needs the whole model in one process")
         opts = getattr(config, cls.config_section)
+        given = [f"--{key} {value}" for key, value in (("dp", opts.dp), ("pp", opts.pp)) if value is not None]
+        if given and cls is Pipeline:
+            raise ConfigError(f"{' and '.join(given)}: the mesh of --strategy hybrid; --strategy pipeline has one "
+                              "replica of --stages stages "
+                              f"(drop {'them' if len(given) > 1 else 'it'}, or use hybrid)")
         _, pp = cls.shape(1, opts) if cls is Pipeline else (None, opts.pp or opts.stages)
         if model is None and config.model.model != "auto":
             model = _meta_model(config)
