@@ -145,6 +145,12 @@ class Strategy:
         """This rank's equal slice of each global batch, from its place on the trainers' ``dp`` axis."""
         return Shard(self.trainers.axis_rank("dp"), self.trainers.axis_size("dp"))
 
+    def batch_slices(self) -> int:
+        """How many equal slices a global batch is cut into (what ``--worker-batch-size`` is multiplied by):
+        by default the trainers' ``dp`` axis; a strategy whose trainers' group is not its data-parallel width
+        says its own."""
+        return self.data_shard().count
+
     def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
                     deterministic: bool = False) -> Shard | Callable[[int], Shard]:
         """The slices the trainer draws: the fixed ``data_shard()``, or a function giving each step's (a

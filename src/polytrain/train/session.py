@@ -138,8 +138,9 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     strategy_cls = get_strategy(config.train.strategy)
     strategy = strategy_cls(topology, strategy_options(config, strategy_cls))
     shard = strategy.data_shard()
-    global_batch = config.global_batch(shard.count)
-    strategy_cls.check_batch(shard.count, global_batch, config.train.accumulate)
+    slices = strategy.batch_slices()
+    global_batch = config.global_batch(slices)
+    strategy_cls.check_batch(slices, global_batch, config.train.accumulate)
     try:
         plan = BatchPlan(len(data.train), global_batch, config.train.seed)
     except ValueError as exc:

@@ -65,6 +65,22 @@ def test_without_a_loss_staleness_0_ends_as_without_the_option(tmp_path, monkeyp
     assert tolerant["eval_loss"] == pytest.approx(strict["eval_loss"], rel=1e-9)  # one rank sums, or three
 
 
+def test_worker_batch_size_counts_every_worker_as_without_the_option(tmp_path, monkeypatch):
+    """Each worker's trainers' group is its own with the option; a step is still N slices of --worker-batch-size
+    (it was cut to one worker's batch: half the examples per step, twice the bytes per example)."""
+    settings = dict(workers=3, servers=1, staleness=0, steps=6, eval_every=6)
+    runs = []
+    for tolerate in (True, False):
+        summary = polytrain.fit(**{**COMMON, **settings, "batch_size": None, "tolerate_worker_loss": tolerate},
+                                worker_batch_size=16, save_model=str(tmp_path / f"{tolerate}.pt"))
+        runs.append((summary, torch.load(tmp_path / f"{tolerate}.pt", weights_only=True)))
+    (tolerant, with_option), (strict, without) = runs
+    assert tolerant["global_batch"] == strict["global_batch"] == 48
+    assert all(torch.equal(with_option[k], without[k]) for k in without)
+    # worker 0's bytes over worker 0's examples, against every worker's over all of theirs
+    assert tolerant["bytes_sent_per_example"] == pytest.approx(strict["bytes_sent_per_example"], rel=0.01)
+
+
 def test_a_killed_worker_0_still_stops_the_job_naming_it(tmp_path, monkeypatch):
     with pytest.raises(PolytrainError, match=r"^worker rank 0 was killed by signal SIGKILL"):
         _fit(tmp_path, monkeypatch, kill="rank=0,steps=6", workers=3, servers=1)

@@ -154,6 +154,10 @@ class AsyncParameterServer(Strategy):
     def trainers(self) -> Topology:
         return self._trainers
 
+    def batch_slices(self) -> int:
+        # every worker's trainers' group may be its own (--tolerate-worker-loss): a step is still N slices
+        return self.layout.workers
+
     def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
                     deterministic: bool = False) -> Shard | Callable[[int], Shard]:
         self._global_batch = global_batch  # for describe(): what one push holds
