@@ -73,6 +73,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         data: DataBundle | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says, restarting after a failure up to ``--max-restarts`` times; return rank 0's
     summary with ``restarts`` and ``restart_causes`` (None in the other processes of a torchrun job)."""
+    from polytrain.train.dirlock import hold
     from polytrain.train.run import run as run_once
 
     check_restarts(config)
@@ -80,22 +81,23 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         return _under_torchrun(config, run_once, model, data)
     limit = config.restart.max_restarts
     directory = config.checkpoint.checkpoint_dir
-    before = _latest_mark(directory)  # a checkpoint already there when this run began is not this run's
-    causes: list[dict[str, Any]] = []
-    attempt = config
-    started = time.monotonic()
-    while True:
-        try:
-            with _attempt_env(len(causes)):
-                summary = run_once(attempt, model=model, data=data)
-            break
-        except RESTARTABLE as err:
-            if len(causes) >= limit:
-                if limit:
-                    get_logger().error(f"giving up after {limit} restart(s)")
-                raise
-            attempt, cause = _next_attempt(config, err, before, len(causes) + 1, time.monotonic() - started)
-            causes.append(cause)
+    with hold(directory):  # one run per checkpoint directory, for every attempt (train/dirlock.py)
+        before = _latest_mark(directory)  # a checkpoint already there when this run began is not this run's
+        causes: list[dict[str, Any]] = []
+        attempt = config
+        started = time.monotonic()
+        while True:
+            try:
+                with _attempt_env(len(causes)):
+                    summary = run_once(attempt, model=model, data=data)
+                break
+            except RESTARTABLE as err:
+                if len(causes) >= limit:
+                    if limit:
+                        get_logger().error(f"giving up after {limit} restart(s)")
+                    raise
+                attempt, cause = _next_attempt(config, err, before, len(causes) + 1, time.monotonic() - started)
+                causes.append(cause)
     if summary is not None and limit:
         summary["restarts"] = len(causes)
         summary["restart_causes"] = causes
@@ -138,7 +140,11 @@ def _under_torchrun(config: RunConfig, run_once: Any, model: Any, data: Any) -> 
                                  f"{config.checkpoint.checkpoint_dir}")
         config = copy.deepcopy(config)
         config.checkpoint.resume = True
-    summary = run_once(config, model=model, data=data)
+    from polytrain.train.dirlock import hold
+
+    rank0 = os.environ.get("RANK", "0") == "0"  # the global rank 0 holds the directory for the whole job
+    with hold(config.checkpoint.checkpoint_dir if rank0 else None):
+        summary = run_once(config, model=model, data=data)
     if summary is not None and count:
         summary["restarts"] = count  # the causes are in torchrun's own log
     return summary
