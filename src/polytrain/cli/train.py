@@ -72,12 +72,24 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     ranks = summary.get("rank_examples_per_sec") or []
     per_rank = f" (per rank {' / '.join(f'{v:.0f}' for v in ranks)})" if len(ranks) > 1 else ""
-    return (f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s with {summary['strategy']} on "
-            f"{summary['workers']} worker(s)\n"
-            f"  train loss {num('train_loss')}  eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
-            + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else "") + "\n"
+    where = f"{summary['wall_s']:.1f} s with {summary['strategy']} on {summary['workers']} worker(s)"
+    evaluation = (f"eval loss {num('eval_loss')}  eval accuracy {num('eval_accuracy')}"
+                  + (f"  eval perplexity {num('eval_perplexity', '.2f')}" if "eval_perplexity" in summary else ""))
+    if _nothing_trained(summary):
+        return (f"done: nothing trained: the run was already at step {summary['steps']} when it resumed "
+                f"(raise --steps or --epochs to train further); {where}"
+                + (f"\n  {evaluation}" if summary.get("eval_loss") is not None else ""))
+    return (f"done: {summary['steps']} steps in {where}\n"
+            f"  train loss {num('train_loss')}  {evaluation}\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + _restarts_line(summary)
             + _lost_line(summary))
+
+
+def _nothing_trained(summary: dict[str, Any]) -> bool:
+    """No step in this run (a resume at or past its last step): no train loss, no examples. After a
+    restart the attempts before the last one trained, so that summary is the usual one."""
+    return summary.get("train_loss") is None and not summary.get("examples_per_sec") \
+        and not summary.get("restarts")
 
 
 def _lost_line(summary: dict[str, Any]) -> str:

@@ -244,6 +244,17 @@ def _resume(s: Session) -> None:
         s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
     s.log.info(f"resumed from step {s.start_step} ({path})")
+    if s.start_step >= s.total_steps and trainers.is_main:
+        s.log.warning(_nothing_left_message(s))
+
+
+def _nothing_left_message(s: Session) -> str:
+    """The warning of a resume at or past the run's end: which setting ends it, and what to raise."""
+    steps, epochs = s.config.train.steps, s.config.train.epochs
+    end = f"--steps {steps}" if steps else f"the end of --epochs {epochs or 1} (step {s.total_steps})"
+    return (f"--resume: the checkpoint in {s.checkpointer.directory} is at step {s.start_step}, at or past {end}: "
+            f"nothing left to train (the model stays at step {s.start_step}); raise "
+            f"{'--steps' if steps else '--epochs'} to train further")
 
 
 def _continue_data(s: Session, state: dict[str, Any]) -> None:
