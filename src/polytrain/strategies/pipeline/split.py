@@ -13,8 +13,10 @@ split whose slowest stage is fastest (a small dynamic programme over the measure
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,21 +100,38 @@ def groups(cuts: list[int], count: int) -> list[range]:
 def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> tuple[list[float], bool]:
     """Each unit's forward+backward time in milliseconds on one micro-batch (the median of ``repeats``
     rounds over all units after a warm-up round), and whether applying the units in order gives what ``model`` gives (else the model
-    cannot be split this way)."""
+    cannot be split this way).
+
+    Whatever the caller's grad mode (an evaluation runs under ``no_grad``) and the model's train/eval mode,
+    the check runs in eval mode (dropout off, so both ways agree) and the timing with autograd on in train
+    mode (as a training step runs); the model's modes, buffers, gradients and the RNG are left as they were."""
     parts = units(model)
-    with torch.no_grad():
-        x, inputs = sample, []
-        for _, unit in parts:
-            inputs.append(x)
-            x = unit(x)
-        whole = model(sample)
-    same = isinstance(x, torch.Tensor) and isinstance(whole, torch.Tensor) and x.shape == whole.shape \
-        and torch.allclose(x, whole, rtol=1e-4, atol=1e-5)
-    # round after round over all units, not unit after unit: a burst of load from other processes then
-    # lands on one round of every unit, which the median drops, not on all rounds of a few units
+    with _undisturbed(model, sample.device):
+        model.eval()
+        with torch.no_grad():
+            x, inputs = sample, []
+            for _, unit in parts:
+                inputs.append(x)
+                x = unit(x)
+            whole = model(sample)
+        same = isinstance(x, torch.Tensor) and isinstance(whole, torch.Tensor) and x.shape == whole.shape \
+            and torch.allclose(x, whole, rtol=1e-4, atol=1e-5)
+        if not same:  # refused whatever the times
+            return [0.0] * len(parts), False
+        model.train()
+        with torch.enable_grad():
+            times = _time_units([unit for _, unit in parts], inputs, repeats)
+    return [statistics.median(kept) for kept in times], same
+
+
+def _time_units(parts: list[nn.Module], inputs: list[torch.Tensor], repeats: int) -> list[list[float]]:
+    """Each unit's forward+backward milliseconds in each of ``repeats`` rounds after a warm-up round.
+
+    Round after round over all units, not unit after unit: a burst of load from other processes then
+    lands on one round of every unit, which the median drops, not on all rounds of a few units."""
     times: list[list[float]] = [[] for _ in parts]
     for round_ in range(repeats + 1):  # round 0 warms up
-        for (_, unit), given, kept in zip(parts, inputs, times):
+        for unit, given, kept in zip(parts, inputs, times):
             x = given.detach().requires_grad_(given.is_floating_point())
             start = time.perf_counter()
             out = unit(x)
@@ -121,8 +140,29 @@ def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> tuple[l
                 torch.cuda.synchronize(out.device)
             if round_:
                 kept.append((time.perf_counter() - start) * 1e3)
-    model.zero_grad(set_to_none=True)
-    return [statistics.median(kept) for kept in times], same
+    return times
+
+
+@contextlib.contextmanager
+def _undisturbed(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore, on leaving, each module's train/eval mode, the buffers (BatchNorm statistics), the
+    parameters' gradients and the random streams (CPU's and ``device``'s): measuring changes no training."""
+    modes = [(module, module.training) for module in model.modules()]
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    grads = [(param, param.grad) for param in model.parameters()]
+    for param, _ in grads:
+        param.grad = None
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for param, grad in grads:
+            param.grad = grad
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ rank empties the other stages' tensors and keeps only its own resident, with the
 optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
 state dict and optimizer state, as ``single`` saves them.
 
-The split is chosen at the first step, on rank 0 (which times every unit on one micro-batch, see
-:mod:`.split`), and broadcast, so all ranks cut alike; it is logged with each stage's parameters and ms.
+The split is chosen at the first step (or the first evaluation, when a resumed run has no step left), on
+rank 0 (which times every unit on one micro-batch, see :mod:`.split`), and broadcast, so all ranks cut
+alike; it is logged with each stage's parameters and ms.
 """
 
 from __future__ import annotations
@@ -344,13 +345,10 @@ def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:
 
 
 def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str) -> split.Split:
-    """Measure every unit on ``sample`` (RNG and buffers restored after, so training is unchanged) and
-    cut where ``split_at`` says or where the measured cost is balanced."""
+    """Measure every unit on ``sample`` (the model and the RNG left as they were, so training is unchanged)
+    and cut where ``split_at`` says or where the measured cost is balanced."""
     names = check_split(model, stages, split_at)
-    buffers = {k: v.clone() for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
-    with torch.random.fork_rng(devices=[]):
-        ms, same = split.measure(model, sample)
-    model.load_state_dict(buffers, strict=False)
+    ms, same = split.measure(model, sample)
     if not same:
         raise ConfigError("the model's forward is not its units applied in order "
                           f"({', '.join(names)}); a pipeline can split only such models")
