@@ -58,3 +58,10 @@ class CommunicationError(PolytrainError):
     """A collective did not complete: a peer did not arrive within the timeout."""
 
     exit_code = 1
+
+
+class CheckpointError(PolytrainError):
+    """A checkpoint or model file could not be written: the disk is full, over quota, read-only or failing;
+    the message names the directory, the bytes needed and free."""
+
+    exit_code = 1

@@ -161,8 +161,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe, place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
     schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
-    checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints)
-                    if config.checkpoint.checkpoint_dir else None)
+    checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
+                                 config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
     step_shards = strategy.step_shards(global_batch, config.train.accumulate, config.data.data_workers,
                                        config.train.deterministic)
     session = Session(config, topology, data, strategy, shard, plan, model, task, schedule, total_steps,

@@ -207,8 +207,9 @@ class Trainer:
         s = self.s
         state = s.state_dict(step)  # every rank: the strategy gathers the model, the session the RNG states
         if self.topology.is_main:
-            path = s.checkpointer.save(state, step)
-            s.log.info(f"checkpoint: {path}")
+            path = s.checkpointer.save(state, step)  # None: not written, warned (--on-checkpoint-error warn)
+            if path is not None:
+                s.log.info(f"checkpoint: {path}")
 
     def _save_model(self) -> None:
         path = self.config.train.save_model
