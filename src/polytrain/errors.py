@@ -65,3 +65,16 @@ class CheckpointError(PolytrainError):
     the message names the directory, the bytes needed and free."""
 
     exit_code = 1
+
+
+class RunStopped(PolytrainError):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) ended the run in order. ``exit_code`` is 75 ("stopped,
+    resumable": a checkpoint at the stop step, or nothing trained yet; the same command with ``--resume``
+    continues) or 128 + the signal's number when trained steps were not saved. ``summary``: rank 0's, if any."""
+
+    def __init__(self, message: str, *, signal_name: str, signum: int, resumable: bool,
+                 step: int | None = None, checkpoint: str | None = None, summary: dict | None = None):
+        super().__init__(message)
+        self.signal_name, self.signum, self.resumable = signal_name, signum, resumable
+        self.step, self.checkpoint, self.summary = step, checkpoint, summary
+        self.exit_code = 75 if resumable or not signum else 128 + signum

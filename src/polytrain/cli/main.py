@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -14,7 +15,9 @@ from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
 from polytrain.cli import train as train_cmd
-from polytrain.errors import PolytrainError
+from polytrain.distributed.launch import stop_helper_processes
+from polytrain.distributed.stop import StopNow, exit_code
+from polytrain.errors import PolytrainError, RunStopped
 from polytrain.strategies import available_strategies
 
 
@@ -52,12 +55,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args)
+    except RunStopped as exc:  # a signal stopped the run in order: not an error
+        print(f"polytrain: {exc}", file=sys.stderr)
+        return exc.exit_code
     except PolytrainError as exc:
         print(f"polytrain: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except StopNow as exc:
+        print(f"polytrain: {exc}; the checkpoints written before are intact", file=sys.stderr)
+        return exit_code(exc.signum)
     except KeyboardInterrupt:
         print("polytrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`polytrain checkpoint inspect DIR | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose output pipe closed
+    finally:
+        stop_helper_processes()
 
 
 if __name__ == "__main__":

@@ -13,17 +13,24 @@ rank order. Three ways in, one result:
 ``expendable`` ranks (``--tolerate-worker-loss``; never rank 0) are the exception, with spawned workers only:
 when one dies the others go on, learn of it from their heartbeat through ``ctx.topology.lost``
 (:mod:`polytrain.distributed.lost`), and its result is None.
+
+The launching process owns its job: spawned workers die with it (killed or not, at any moment), and
+``launch(..., stop=StopSignal())`` makes a signal to it or to any worker a request for an orderly stop that
+every worker sees through ``ctx.stop`` (:mod:`polytrain.distributed.stop`); a second signal kills the workers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import logging
+import multiprocessing
 import os
 import pickle
 import signal
 import sys
-from dataclasses import dataclass, replace
+import threading
+import time
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,11 +41,13 @@ import torch.multiprocessing as mp
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.heartbeat import watch_peers
+from polytrain.distributed.lifetime import die_with_parent
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface, loopback_interface
+from polytrain.distributed.stop import STOP_SIGNALS, StopBeforeTraining, StopNow, StopSignal, exit_at_once
 from polytrain.distributed.supervisor import describe_exception, send_report, stop_all, supervise
 from polytrain.distributed.topology import Topology
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, RunStopped
 from polytrain.log import setup_logging
 from polytrain.options import option, register_section
 
@@ -79,6 +88,8 @@ class WorkerContext:
     """What a launched function gets: where it runs and the group it belongs to."""
 
     topology: Topology
+    #: whether a stop was asked (``stop.requested``: the signal's name), and the ranks' agreement on where
+    stop: StopSignal = field(default_factory=StopSignal, compare=False)
 
     @property
     def rank(self) -> int:
@@ -118,13 +129,15 @@ class _Job:
     heartbeat_timeout: float = 0.0
     rank_names: tuple[str, ...] | None = None
     expendable: tuple[int, ...] = ()  # ranks the job goes on without (--tolerate-worker-loss)
+    orderly_stop: bool = False  # stop signals ask for an orderly stop (ctx.stop) instead of their default
 
 
 #: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
 #: (a worker is up in a fraction of a second instead of importing torch anew); ``spawn`` is the fallback
 #: for environments where forking is not wanted: set ``POLYTRAIN_START_METHOD=spawn``
 START_METHODS = ("forkserver", "spawn")
-_PRELOAD = ["torch", "torch.distributed", "polytrain.distributed.launch", "polytrain.train.trainer"]
+_PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.launch",
+            "polytrain.train.trainer"]
 
 
 def _start_context() -> Any:
@@ -196,7 +209,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            master_port: int | None = None, log_all_ranks: bool = False,
            soft_placement: bool = False, host_memory: str = "cache",
            rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0,
-           expendable: Sequence[int] = ()) -> list[Any]:
+           expendable: Sequence[int] = (), stop: StopSignal | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -210,6 +223,12 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     the job: the others learn of it through ``ctx.topology.lost``, and their result is None; this needs
     spawned workers (not torchrun) and the heartbeat. With one worker it means nothing.
 
+    ``stop``: the caller's :class:`~polytrain.distributed.stop.StopSignal`, with its signal handlers installed
+    (:meth:`~polytrain.distributed.stop.StopSignal.handling`): a stop signal to this process or to any worker
+    is then a request every worker sees as ``ctx.stop.requested``, which ``fn`` should honour at its next
+    step (the trainer does: :mod:`polytrain.distributed.stop`); without it, stop signals keep their default
+    effect. Either way the workers never outlive this process.
+
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
     ``if __name__ == "__main__":``, as with any spawned process.
@@ -219,20 +238,21 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     if under_torchrun():
         _check_torchrun_expendable(expendable)
         set_host_memory(host_memory)
-        return [_join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout)]
+        return [_join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout,
+                               orderly_stop=stop is not None)]
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
     count = resolve_workers(workers, device)
     if count == 1:
         set_host_memory(host_memory)
-        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement)]
+        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement, stop)]
     job = _Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory, heartbeat_timeout=heartbeat_timeout,
                rank_names=tuple(rank_names) if rank_names else None,
-               expendable=_check_expendable(expendable, count, heartbeat_timeout))
-    return _spawn(job, master_port, rank_names)
+               expendable=_check_expendable(expendable, count, heartbeat_timeout), orderly_stop=stop is not None)
+    return _spawn(job, master_port, rank_names, stop)
 
 
 def _check_torchrun_expendable(expendable: Sequence[int]) -> None:
@@ -258,34 +278,123 @@ def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_time
 
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
-                    log_all_ranks: bool, soft_placement: bool = False) -> Any:
+                    log_all_ranks: bool, soft_placement: bool = False, stop: StopSignal | None = None) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
     if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
         torch.set_num_threads(threads)
-    return fn(WorkerContext(Topology(device=resolve_device(device, soft=soft_placement))), *args)
+    topology = Topology(device=resolve_device(device, soft=soft_placement))
+    return fn(WorkerContext(topology, stop if stop is not None else StopSignal()), *args)
 
 
-def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | None = None) -> list[Any]:
+def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | None = None,
+           stop: StopSignal | None = None) -> list[Any]:
     _check_devices(job.world_size, job.device, job.backend)
     server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
     ctx = _start_context()
     processes, conns = [], []
-    try:
-        with _worker_environment(job.threads), _script_not_rerun(job):
-            job = replace(job, store_port=server.port, environ=tuple(os.environ.items()))
-            for rank in range(job.world_size):
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
-                proc.start()
-                send.close()
-                processes.append(proc)
-                conns.append(recv)
-        return supervise(processes, conns, rank_names, frozenset(job.expendable))
-    except KeyboardInterrupt:
-        stop_all(processes)
-        raise
-    finally:
+    if stop is not None and stop.requested:
         server.close()
+        raise RunStopped(f"stopped by {stop.requested} before any worker started; nothing was lost",
+                         signal_name=stop.requested, signum=stop.signum, resumable=True)
+    if stop is not None:  # this process's request reaches every worker through the store
+        stop.connect(lambda: connect_store("127.0.0.1", server.port, timedelta(seconds=job.timeout_s)), watch=False,
+                     launcher=True)
+    deferring = stop.deferring() if stop is not None else contextlib.nullcontext()
+    check = stop.check if stop is not None else (lambda: None)
+    # a signal's "at once" is raised by check(): between starts and in supervise, never inside a start
+    with deferring:
+        try:
+            _forkserver_ready(ctx, stop)
+            with _worker_environment(job.threads), _script_not_rerun(job):
+                job = replace(job, store_port=server.port, environ=tuple(os.environ.items()))
+                for rank in range(job.world_size):
+                    check()
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_worker_main, args=(job, rank, send), name=f"polytrain-rank{rank}")
+                    proc.start()
+                    send.close()
+                    processes.append(proc)
+                    conns.append(recv)
+            check()
+            return supervise(processes, conns, rank_names, frozenset(job.expendable),
+                             wake=(stop.wake_fd, check) if stop is not None else None)
+        except StopBeforeTraining as early:
+            stop_all(processes)
+            raise RunStopped(f"stopped by {early.name} before training began; nothing was lost",
+                             signal_name=early.name, signum=early.signum, resumable=True) from None
+        except (KeyboardInterrupt, StopNow):
+            stop_all(processes)
+            raise
+        finally:
+            server.close()
+
+
+def _forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
+    """Start the forkserver (it imports torch first: seconds) in a thread, while this one stays ready to
+    stop: a signal meanwhile ends the launch at once (no worker exists yet) instead of after the import."""
+    if stop is None or ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    # spawned from this (main) thread: the kernel ends the forkserver when the thread that started it ends
+    forkserver.ensure_running()
+    done = threading.Event()
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # killed at the command's end if the launch was stopped meanwhile
+            proc = ctx.Process(target=_ready, name="polytrain-warmup")
+            proc.start()
+            proc.join()
+        done.set()
+
+    threading.Thread(target=start, name="polytrain-forkserver-start", daemon=True).start()
+    while not done.wait(0.05):
+        stop.check()
+
+
+def _ready() -> None:
+    """The forkserver's first child: nothing to do (it proves the forkserver has imported and forks)."""
+
+
+def stop_helper_processes(timeout: float = 5.0) -> None:
+    """End this process's multiprocessing forkserver and resource tracker now (they would outlive the
+    command by seconds otherwise, which a scheduler sees as a job still running). The forkserver holds
+    nothing to clean up and may still be importing torch: it is killed; the resource tracker is asked to end
+    (it removes what a killed worker left registered) and killed after ``timeout`` seconds. Reaches into
+    multiprocessing's own bookkeeping (``_forkserver``, ``_resource_tracker``): the standard library stops
+    them only at exit."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner, pid_attr, fd_attr, grace in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid",
+                                             "_forkserver_alive_fd", 0.0),
+                                            (getattr(resource_tracker, "_resource_tracker", None), "_pid", "_fd",
+                                             timeout)):
+        pid, fd = getattr(owner, pid_attr, None), getattr(owner, fd_attr, None)
+        if pid is None or fd is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.close(fd)  # its end of the "alive" pipe: the helper exits when every copy is closed
+        setattr(owner, fd_attr, None)
+        setattr(owner, pid_attr, None)
+        _reap(pid, grace)
+
+
+def _reap(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.01)
 
 
 def _check_devices(count: int, device: str, backend: str) -> None:
@@ -343,13 +452,55 @@ def _worker_environment(threads: int) -> Iterator[None]:
 
 
 def _die_with_parent(rank: int) -> None:
-    """Linux: get SIGKILL if the launcher dies, so no worker outlives it (a forkserver's child: when the
-    forkserver dies, which it does when the launcher does), and show as ``polytrain-rN`` in ps/top."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-            libc.prctl(15, ctypes.c_char_p(f"polytrain-r{rank}".encode()[:15]))  # PR_SET_NAME
+    """No worker outlives the launcher, however it ends (SIGKILL included), and none keeps it from ending.
+
+    The kernel kills the forkserver when the launcher dies, and the worker when the forkserver does (Linux's
+    parent-death signal; :mod:`.forkserver_init` sets the forkserver's). A worker also inherits the write end
+    of the forkserver's "alive" pipe, which would keep the forkserver running after the launcher is gone:
+    closed here. A thread watches the launcher's end of the process pipe as well, for a launcher that died
+    before the signal was set and for ``spawn`` (the launcher is the parent). Shows as ``polytrain-rN``."""
+    _release_forkserver()
+    die_with_parent(f"polytrain-r{rank}")
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.sentinel is not None:
+        threading.Thread(target=_exit_when_gone, args=(parent.sentinel, parent.pid, rank),
+                         name="polytrain-launcher-watch", daemon=True).start()
+
+
+def _release_forkserver() -> None:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", None) is None:  # inherited, not our own server's
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _exit_when_gone(sentinel: int, pid: int | None, rank: int) -> None:
+    """Wait until the launcher's end of the process pipe closes (it died), then end this worker on the spot:
+    it must not write a checkpoint or anything else for a job nobody owns any more."""
+    from multiprocessing.connection import wait
+
+    with contextlib.suppress(Exception):
+        wait([sentinel])
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"polytrain: worker rank {rank}: the launching process ({pid}) is gone; stopping\n")
+        sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_stop_signals(orderly: bool) -> StopSignal:
+    """This worker's stop signals: requests of an orderly stop (a second one exits at once), or, when the job
+    has no orderly stop, their defaults again (Ctrl-C stays the launcher's: it stops the workers)."""
+    stop = StopSignal()
+    if orderly:
+        stop.install(exit_at_once, logging.DEBUG)  # for the worker's whole life (the launcher says so)
+    else:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
+    return stop
 
 
 def _worker_main(job: _Job, rank: int, conn: Any) -> None:
@@ -357,18 +508,20 @@ def _worker_main(job: _Job, rank: int, conn: Any) -> None:
     if job.environ:
         os.environ.clear()
         os.environ.update(dict(job.environ))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
+    stop = _set_stop_signals(job.orderly_stop)
     set_host_memory(job.host_memory)
     torch.set_num_threads(job.threads)
     setup_logging(rank, job.world_size, all_ranks=job.log_all_ranks)
     try:
         topology = _init_spawned(job, rank)
+        if job.orderly_stop:
+            stop.connect(lambda: connect_store("127.0.0.1", job.store_port, timedelta(seconds=job.timeout_s)))
         beat = watch_peers("127.0.0.1", job.store_port, rank, job.world_size, job.heartbeat_timeout,
                            connect_timeout=job.timeout_s, names=job.rank_names,
                            report=lambda error: send_report(conn, "error", describe_exception(error)),
                            lost=topology.lost)
         try:
-            result = _with_heartbeat(beat, job.fn, WorkerContext(topology), *job.args)
+            result = _with_heartbeat(beat, job.fn, WorkerContext(topology, stop), *job.args)
         finally:
             dist.destroy_process_group()
         send_report(conn, "ok", result)
@@ -402,7 +555,11 @@ def _init_spawned(job: _Job, rank: int) -> Topology:
 
 
 def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, backend: str,
-                   timeout: float, soft_placement: bool = False, heartbeat_timeout: float = 0.0) -> Any:
+                   timeout: float, soft_placement: bool = False, heartbeat_timeout: float = 0.0,
+                   orderly_stop: bool = False) -> Any:
+    stop = StopSignal()
+    if orderly_stop:  # torchrun's agent passes a stop signal on to every worker of its machine
+        stop.install(exit_at_once, logging.INFO)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -429,11 +586,13 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, b
         dist.init_process_group(chosen, timeout=delta)
     topology = Topology(rank, world, local_rank, local_world, resolved, chosen, dist.group.WORLD, delta)
     # keys of their own per run and per restart: torchrun's store outlives a restart of the workers
-    prefix = (f"polytrain/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
-              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    beat = watch_peers(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, heartbeat_timeout,
-                       connect_timeout=timeout, prefix=prefix)
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if orderly_stop:  # a machine that alone got the signal (one preempted pod) stops the others too
+        stop.connect(lambda: connect_store(address, port, delta), prefix=f"polytrain/stop/{run}")
+    beat = watch_peers(address, port, rank, world, heartbeat_timeout, connect_timeout=timeout,
+                       prefix=f"polytrain/heartbeat/{run}")
     try:
-        return _with_heartbeat(beat, fn, WorkerContext(topology), *args)
+        return _with_heartbeat(beat, fn, WorkerContext(topology, stop), *args)
     finally:
         dist.destroy_process_group()

@@ -13,14 +13,13 @@ cannot do without (its heartbeat's PeerLostError), is part of the job's failure.
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import signal
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from polytrain import errors
 from polytrain.log import get_logger
@@ -83,15 +82,19 @@ def _exit_failure(rank: int, exitcode: int) -> Failure:
 
 
 def supervise(processes: list[Any], conns: list[Connection], names: Sequence[str] | None = None,
-              expendable: Iterable[int] = frozenset()) -> list[Any]:
+              expendable: Iterable[int] = frozenset(),
+              wake: tuple[int, Callable[[], None]] | None = None) -> list[Any]:
     """Wait for all workers; return their results in rank order, or stop them all and raise. ``names`` says
     what each rank is in the error (default "worker rank N"; e.g. "parameter server rank 2").
 
     ``expendable`` ranks (``--tolerate-worker-loss``) may fail without failing the job: such a loss is logged
     once as a warning, the others keep running, and its result is None. The job ends once every other rank
     has reported its result; an expendable rank still running then gets a few seconds more, then is stopped.
+
+    ``wake`` = (descriptor, call): ``call()`` whenever the descriptor becomes readable (a signal arrived); what
+    it raises ends the supervision (every worker is stopped) and propagates.
     """
-    watch = _Watch(processes, conns, names, frozenset(expendable))
+    watch = _Watch(processes, conns, names, frozenset(expendable), wake)
     try:
         watch.run()
     finally:
@@ -103,8 +106,9 @@ class _Watch:
     """One supervision: what each rank reported, how it ended, and when to stop waiting."""
 
     def __init__(self, processes: list[Any], conns: list[Connection], names: Sequence[str] | None,
-                 expendable: frozenset[int]):
+                 expendable: frozenset[int], wake: tuple[int, Callable[[], None]] | None = None):
         self.processes, self.conns, self.names, self.expendable = processes, conns, names, expendable
+        self.wake_fd, self.on_wake = wake if wake is not None else (None, None)
         self.results: dict[int, Any] = {}
         self.failures: list[Failure] = []
         self.lost: dict[int, str] = {}  # expendable ranks the job goes on without: what happened to them
@@ -116,8 +120,14 @@ class _Watch:
     def run(self) -> None:
         while self.alive or self.pending:
             deadline = self._deadline()
-            ready = wait(list(self.pending) + list(self.alive),
+            woken = [self.wake_fd] if self.wake_fd is not None else []
+            ready = wait(list(self.pending) + list(self.alive) + woken,
                          timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self.wake_fd is not None and self.wake_fd in ready:
+                self.on_wake()
+                ready = [obj for obj in ready if obj != self.wake_fd]
+                if not ready:
+                    continue
             if not ready:
                 break  # settle time over (the caller stops the rest), or the job is done without the strays
             for obj in ready:
@@ -222,18 +232,14 @@ def send_report(conn: Connection, status: str, payload: Any) -> None:
 
 
 def stop_all(processes: list[Any]) -> None:
-    """Terminate every live worker (SIGTERM, then SIGKILL after a grace period) and reap them."""
+    """Kill every live worker (SIGKILL: a worker takes SIGTERM as a request to stop in order, which a failed
+    job must not do) and reap them."""
     for proc in processes:
         if proc.is_alive():
-            proc.terminate()
-            with contextlib.suppress(OSError):  # a stopped (SIGSTOP) worker acts on SIGTERM only once continued
-                os.kill(proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + _TERM_GRACE_S
+            with contextlib.suppress(OSError, AttributeError):
+                proc.kill()
     for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        proc.join(_TERM_GRACE_S)
 
 
 def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] | None = None) -> errors.PolytrainError:

@@ -239,6 +239,13 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def syncs_at(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) holds a collective over every trainer rank (an all-reduce, a
+        pipeline schedule, an averaging), so that no trainer rank ends it before every other one began it:
+        where the ranks can agree on a step to stop at without waiting for each other
+        (:mod:`polytrain.distributed.stop`). Every step, by default."""
+        return True
+
     def take_wait_seconds(self) -> float:
         """Seconds this rank spent waiting for other ranks since the last call (for per-rank throughput)."""
         return 0.0

@@ -112,6 +112,9 @@ class LocalSGD(Strategy):
 
     # -- the step ----------------------------------------------------------------------------------
 
+    def syncs_at(self, step: int) -> bool:
+        return step % self.options.sync_every == 0  # the averaging step; the others are each worker's own
+
     def train_step(self, batch: Batch) -> StepResult:
         result = super().train_step(batch)  # forward, backward and this worker's own optimizer step
         self._dirty = True

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.distributed.launch import resolve_workers, under_torchrun
+from polytrain.distributed.stop import StopSignal
 from polytrain.errors import CommunicationError, ConfigError, WorkerError
 from polytrain.log import get_logger
 from polytrain.options import option, register_section
@@ -77,8 +78,16 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
     from polytrain.train.run import run as run_once
 
     check_restarts(config)
-    if under_torchrun():
-        return _under_torchrun(config, run_once, model, data)
+    stop = StopSignal()  # a stop signal, from here to the end, stops the run in order (distributed/stop.py)
+    with stop.handling():
+        if under_torchrun():
+            return _under_torchrun(config, run_once, model, data, stop)
+        return _attempts(config, run_once, model, data, stop, hold)
+
+
+def _attempts(config: RunConfig, run_once: Any, model: Any, data: Any, stop: StopSignal,
+              hold: Any) -> dict[str, Any] | None:
+    """The first attempt, and one more after each restartable failure, up to ``--max-restarts``."""
     limit = config.restart.max_restarts
     directory = config.checkpoint.checkpoint_dir
     with hold(directory):  # one run per checkpoint directory, for every attempt (train/dirlock.py)
@@ -89,11 +98,11 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         while True:
             try:
                 with _attempt_env(len(causes)):
-                    summary = run_once(attempt, model=model, data=data)
+                    summary = run_once(attempt, model=model, data=data, stop=stop)
                 break
             except RESTARTABLE as err:
-                if len(causes) >= limit:
-                    if limit:
+                if len(causes) >= limit or stop.requested:  # a failure while stopping ends the run
+                    if limit and not stop.requested:
                         get_logger().error(f"giving up after {limit} restart(s)")
                     raise
                 attempt, cause = _next_attempt(config, err, before, len(causes) + 1, time.monotonic() - started)
@@ -132,7 +141,8 @@ def check_restarts(config: RunConfig) -> None:
                               "--max-restarts R --nproc-per-node 1, or leave --max-restarts out")
 
 
-def _under_torchrun(config: RunConfig, run_once: Any, model: Any, data: Any) -> dict[str, Any] | None:
+def _under_torchrun(config: RunConfig, run_once: Any, model: Any, data: Any,
+                    stop: StopSignal) -> dict[str, Any] | None:
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if count and config.checkpoint.checkpoint_dir and not config.checkpoint.resume:
         if os.environ.get("RANK", "0") == "0":  # before the workers' logging is set up: say it once
@@ -144,7 +154,7 @@ def _under_torchrun(config: RunConfig, run_once: Any, model: Any, data: Any) -> 
 
     rank0 = os.environ.get("RANK", "0") == "0"  # the global rank 0 holds the directory for the whole job
     with hold(config.checkpoint.checkpoint_dir if rank0 else None):
-        summary = run_once(config, model=model, data=data)
+        summary = run_once(config, model=model, data=data, stop=stop)
     if summary is not None and count:
         summary["restarts"] = count  # the causes are in torchrun's own log
     return summary

@@ -17,7 +17,8 @@ from polytrain.data.registry import check_data
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
-from polytrain.errors import ConfigError
+from polytrain.distributed.stop import StopSignal
+from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.registry import check_model
 from polytrain.strategies import get_strategy
 from polytrain.strategies.base import check_settings_read
@@ -79,10 +80,11 @@ def _expendable(config: RunConfig, strategy: Any, options: Any) -> list[int]:
     return strategy.expendable_ranks(workers, options)
 
 
-def run(config: RunConfig, *, model: nn.Module | None = None,
-        data: DataBundle | None = None) -> dict[str, Any] | None:
+def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None,
+        stop: StopSignal | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
-    (None in the other processes of a torchrun job)."""
+    (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
+    stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
     processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
     strategy = get_strategy(config.train.strategy)
     options = strategy_options(config, strategy)
@@ -95,7 +97,26 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory, rank_names=names,
         heartbeat_timeout=config.launch.heartbeat_timeout, expendable=_expendable(config, strategy, options),
+        stop=stop,
     )
+    summary = results[0]  # under torchrun: this process's own
+    if isinstance(summary, dict) and summary.get("stopped"):
+        raise stopped_error(summary)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None
-    return results[0]
+    return summary
+
+
+def stopped_error(summary: dict[str, Any]) -> RunStopped:
+    """The one line that ends a run stopped by a signal, from its summary's ``stopped`` record."""
+    stopped = summary["stopped"]
+    name, step, path = stopped["signal"], stopped["step"], stopped["checkpoint"]
+    if path:
+        message = f"stopped by {name} after step {step}; checkpoint {path}: the same command with --resume continues there"
+    elif not stopped["trained"]:
+        message = f"stopped by {name} at step {step}, before this run trained a step; nothing was lost"
+    else:
+        message = (f"stopped by {name} after step {step}; the {stopped['trained']} step(s) trained were not saved "
+                   "(no --checkpoint-dir)")
+    return RunStopped(message, signal_name=name, signum=stopped["signum"], step=step, checkpoint=path,
+                      resumable=bool(path) or not stopped["trained"], summary=summary)

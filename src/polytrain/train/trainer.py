@@ -6,6 +6,10 @@ step: set the scheduled LR → the strategy's step on this rank's slice of the g
 backward, exchange, update: ``strategy.train_step``) → note a NaN/inf loss on the device → log, evaluate,
 checkpoint at their intervals. The trainer never asks which strategy it has.
 
+A stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, to the launcher or any rank: ``ctx.stop``) ends the loop at
+a step every trainer rank agrees on (:mod:`polytrain.distributed.stop`), after a checkpoint there when the run
+has a checkpoint directory; the summary says so (``stopped``). A step pays one attribute read for it.
+
 Nothing in a step waits for the device: losses are read at log points. A non-finite loss is found there
 (or before anything is written: evaluation, checkpoint, saved model), over every trainer rank at once, and
 the run stops naming the first bad step; no checkpoint or saved model ever holds a diverged step's
@@ -25,8 +29,9 @@ from torch import nn
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import eval_batches
+from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
-from polytrain.errors import DivergedError
+from polytrain.errors import DivergedError, RunStopped
 from polytrain.strategies.step import RunSource
 from polytrain.train import session
 from polytrain.train.checkpoint import atomic_save
@@ -41,7 +46,7 @@ class Trainer:
     """Trains one model as ``config`` says, in this worker process."""
 
     def __init__(self, config: RunConfig, topology: Topology | None = None, *,
-                 model: nn.Module | None = None, data: DataBundle | None = None):
+                 model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None):
         self.config = config
         self.s = session.build(config, topology or Topology(), model=model, data=data)
         self.strategy = self.s.strategy
@@ -52,6 +57,8 @@ class Trainer:
         self.straggler = StragglerInjector(config.straggler.straggler, rank, config.train.seed)
         self.timed = TimedCheckpoints(config.restart.checkpoint_every_seconds, self.topology.is_main)
         self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
+        self.stop = stop if stop is not None else StopSignal()
+        self.stopping = self.stop.agreement(self.topology.rank, self.topology.world_size, self.topology.timeout)
 
     def fit(self) -> dict[str, Any]:
         self.strategy.bind(self._run_source())
@@ -92,7 +99,11 @@ class Trainer:
         last_eval: tuple[float, float | None] | None = None
         last_interval_loss: float | None = None
         step = s.start_step
+        if self.topology.is_main and not self.stop.begin():  # the launcher, asked to stop, is ending every worker
+            raise RunStopped("stopped before training began", signal_name="", signum=0, resumable=True)
         while step < s.total_steps:
+            if self._stop_after(step):
+                return self._stopped(step, totals, last_interval_loss, last_eval)
             lr = s.schedule(step)
             strategy.set_lr(lr)
             tick = time.perf_counter()
@@ -130,6 +141,38 @@ class Trainer:
             self._checkpoint(step)
         self._save_model()
         return self._summary(step, totals, last_interval_loss, last_eval)
+
+    def _stop_after(self, done: int) -> bool:
+        """Whether to stop now, ``done`` steps done: a stop was requested and the trainer ranks agreed on this
+        step (every rank asks at every step; nothing is read but a flag until a stop is requested)."""
+        if self.stop.requested is None:
+            return False
+        target = self.stopping.stop_step(done, self._ends_with_collective, self.s.total_steps)
+        return target is not None and done >= target
+
+    def _ends_with_collective(self, step: int) -> bool:
+        """Whether every trainer rank takes part in a collective within step ``step``: the strategy's own
+        (sync's all-reduce, a pipeline step, an averaging step) or a log point's."""
+        return self.strategy.syncs_at(step) or step % self.config.log.log_every == 0
+
+    def _stopped(self, step: int, totals: IntervalMeter, train_loss: float | None,
+                 last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
+        """End the run at ``step`` after a stop request: a checkpoint there (if the run has a directory), no
+        evaluation, no saved model; the summary's ``stopped`` says where it can resume."""
+        s, name = self.s, self.stop.requested
+        path = None
+        if s.checkpointer and step > s.start_step:  # (nothing trained by this run: its start is what it had)
+            self._checkpoint(step)
+            written = s.checkpointer.latest() if self.topology.is_main else None  # (not with a write error warned)
+            path = str(written) if written == s.checkpointer.path(step) else None
+        elif self.topology.is_main and step > s.start_step:
+            s.log.warning(f"{name}: stopped after step {step} without --checkpoint-dir: the "
+                          f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
+                          "a stopped run resumable)")
+        summary = self._summary(step, totals, train_loss, last_eval)
+        summary["stopped"] = {"signal": name, "signum": self.stop.signum, "step": step, "checkpoint": path,
+                              "trained": step - s.start_step}
+        return summary
 
     def _checkpoint_due(self, done: int) -> bool:
         """Every --checkpoint-every steps, or at a log point once --checkpoint-every-seconds have passed
@@ -246,4 +289,4 @@ class Trainer:
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
-    return Trainer(config, ctx.topology, model=model, data=data).fit()
+    return Trainer(config, ctx.topology, model=model, data=data, stop=getattr(ctx, "stop", None)).fit()

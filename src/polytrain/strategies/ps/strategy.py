@@ -351,6 +351,9 @@ class AsyncParameterServer(Strategy):
 
     # -- metrics ----------------------------------------------------------------------------------------
 
+    def syncs_at(self, step: int) -> bool:
+        return False  # the workers meet only at the trainer's log points
+
     def take_wait_seconds(self) -> float:
         waited, self._waited = self._waited, 0.0
         return waited
