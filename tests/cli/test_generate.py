@@ -1,9 +1,11 @@
 """``polytrain generate`` on models that polytrain train saved."""
 
 import pytest
+import torch
 
 import polytrain
 from polytrain.cli.main import main
+from polytrain.train.checkpoint import Checkpointer
 
 MODEL = "transformer_lm:layers=1,dim=16,heads=2"
 
@@ -66,3 +68,61 @@ def test_bad_sources_are_one_line(run_dir, capsys, monkeypatch, args, message):
     monkeypatch.chdir(run_dir)
     code, _, err = generate(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+WANTED = "give the file 'polytrain train --save-model FILE' wrote (a state_dict: tensors by name)"
+
+
+def _write(where, name, content):
+    """Files that are no model's weights, made for real: text, bytes, other objects torch.save wrote."""
+    path = where / name
+    if name == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.pt", b"", f"the file is empty; {WANTED}"),
+    ("notes.txt", b"hello, not weights\n", "not a file of tensors torch.save wrote, or a damaged one (KeyError: "),
+    ("garbage.pt", bytes(range(256)) * 4, "not a file of tensors torch.save wrote, or a damaged one (Unpickling"),
+    ("dir", None, f"a directory, not a weights file; {WANTED}, or the run's checkpoints with --checkpoint-dir DIR"),
+    ("list.pt", [torch.ones(2)], f"holds a list, not a state_dict; {WANTED}"),
+    ("tensor.pt", torch.ones(2), f"holds a Tensor, not a state_dict; {WANTED}"),
+    ("none.pt", {}, f"holds an empty dict, no tensors; {WANTED}"),
+    ("nested.pt", {"model": {"w": torch.ones(2)}}, f"not a state_dict: it maps 'model' to a dict, not to a tensor; "
+                                                   f"{WANTED}"),
+])
+def test_a_file_that_is_no_state_dict_is_one_line_naming_it(tmp_path, capsys, name, content, message):
+    path = _write(tmp_path, name, content)
+    code, out, err = generate(capsys, "--weights", path, "--model", MODEL)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"polytrain: error: --weights {path}: {message}"), err
+
+
+def test_dev_null_a_truncated_file_and_a_checkpoint_as_weights_are_one_line(run_dir, tmp_path, capsys):
+    code, _, err = generate(capsys, "--weights", "/dev/null", "--model", MODEL)
+    assert (code, err) == (2, f"polytrain: error: --weights /dev/null: the file is empty; {WANTED}\n")
+    whole = (run_dir / "lm.pt").read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    code, _, err = generate(capsys, "--weights", str(cut), "--model", MODEL)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"polytrain: error: --weights {cut}: not a file of tensors torch.save wrote, or a damaged "
+                          "one (") and err.endswith(f"); {WANTED}\n")  # what torch says depends on where it ends
+    checkpoint = str(Checkpointer(run_dir / "ckpt").latest())
+    code, _, err = generate(capsys, "--weights", checkpoint, "--model", MODEL)
+    assert (code, err) == (2, f"polytrain: error: --weights {checkpoint}: a polytrain checkpoint, not a model's "
+                              "weights; pass its directory with --checkpoint-dir DIR (or write the weights with "
+                              "'polytrain checkpoint export')\n")
+
+
+def test_a_checkpoint_without_a_model_is_one_line(tmp_path, capsys):
+    Checkpointer(tmp_path / "c").save({"config": {"model": MODEL}}, 1)
+    code, _, err = generate(capsys, "--checkpoint-dir", str(tmp_path / "c"))
+    assert (code, err) == (2, f"polytrain: error: --checkpoint-dir {tmp_path / 'c'}: its latest checkpoint holds no "
+                              "model state_dict; use the directory of a run that polytrain train checkpointed\n")
+

@@ -93,11 +93,67 @@ def _read_weights(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
     from polytrain.train.checkpoint import Checkpointer
 
     if args.weights:
-        try:
-            return torch.load(args.weights, map_location="cpu", weights_only=True), {}
-        except (OSError, RuntimeError) as exc:
-            raise ConfigError(f"--weights {args.weights}: cannot read it ({exc})") from None
+        return _read_state_dict(args.weights), {}
     state = Checkpointer(args.checkpoint_dir).load_latest()
     if state is None:
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint there")
+    if not isinstance(state.get("model"), dict) or not state["model"]:
+        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: its latest checkpoint holds no model state_dict; "
+                          "use the directory of a run that polytrain train checkpointed")
     return state["model"], state.get("config", {})
+
+
+#: what --weights wants, ending each of its errors
+_WEIGHTS_WANTED = "give the file 'polytrain train --save-model FILE' wrote (a state_dict: tensors by name)"
+
+
+def _read_state_dict(path: str) -> dict[str, Any]:
+    """The state_dict in ``path``; one ConfigError line naming the file if it is no such thing."""
+    import os
+    import warnings
+
+    import torch
+
+    from polytrain.errors import ConfigError
+    from polytrain.train.integrity import FORMAT
+
+    what = f"--weights {path}"
+    if os.path.isdir(path):
+        raise ConfigError(f"{what}: a directory, not a weights file; {_WEIGHTS_WANTED}, or the run's "
+                          "checkpoints with --checkpoint-dir DIR")
+    try:
+        with open(path, "rb") as fh:
+            empty = os.fstat(fh.fileno()).st_size == 0  # /dev/null, /dev/zero too
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read it ({exc.strerror or exc})") from None
+    if empty:
+        raise ConfigError(f"{what}: the file is empty; {_WEIGHTS_WANTED}")
+    try:
+        with warnings.catch_warnings():  # torch's notes on a foreign pickle: the one line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: whatever torch.load raises for it
+        first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]
+        reason = type(exc).__name__ + (f": {first}" if first and len(first) <= 100 else "")
+        raise ConfigError(f"{what}: not a file of tensors torch.save wrote, or a damaged one ({reason}); "
+                          f"{_WEIGHTS_WANTED}") from None
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        raise ConfigError(f"{what}: a polytrain checkpoint, not a model's weights; pass its directory with "
+                          "--checkpoint-dir DIR (or write the weights with 'polytrain checkpoint export')")
+    problem = _not_a_state_dict(state)
+    if problem:
+        raise ConfigError(f"{what}: {problem}; {_WEIGHTS_WANTED}")
+    return state
+
+
+def _not_a_state_dict(state: Any) -> str | None:
+    import torch
+
+    if not isinstance(state, dict):
+        return f"holds a {type(state).__name__}, not a state_dict"
+    if not state:
+        return "holds an empty dict, no tensors"
+    bad = next(((k, v) for k, v in state.items() if not isinstance(k, str) or not torch.is_tensor(v)), None)
+    if bad is not None:
+        return f"not a state_dict: it maps {bad[0]!r} to a {type(bad[1]).__name__}, not to a tensor"
+    return None
