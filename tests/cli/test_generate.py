@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 import polytrain
 from polytrain.cli.main import main
@@ -63,6 +64,10 @@ def test_weights_that_do_not_fit_the_model_are_one_line(run_dir, capsys):
     (["--checkpoint-dir", "nowhere"], "--checkpoint-dir nowhere: no checkpoint there"),
     (["--weights", "lm.pt", "--model", MODEL, "--model-arg", "dim"], "--model-arg: expected key=value, got 'dim'"),
     (["--weights", "lm.pt", "--model", MODEL, "--tokens", "-1"], "--tokens must be >= 0, got -1"),
+    (["--weights", "lm.pt", "--model", MODEL, "--temperature", "-1"],
+     "--temperature must be a finite number >= 0 (0 always takes the likeliest byte), got -1.0"),
+    (["--weights", "lm.pt", "--model", MODEL, "--temperature", "nan"], "--temperature must be a finite number"),
+    (["--weights", "lm.pt", "--model", MODEL, "--temperature", "inf"], "--temperature must be a finite number"),
 ])
 def test_bad_sources_are_one_line(run_dir, capsys, monkeypatch, args, message):
     monkeypatch.chdir(run_dir)
@@ -126,3 +131,45 @@ def test_a_checkpoint_without_a_model_is_one_line(tmp_path, capsys):
     assert (code, err) == (2, f"polytrain: error: --checkpoint-dir {tmp_path / 'c'}: its latest checkpoint holds no "
                               "model state_dict; use the directory of a run that polytrain train checkpointed\n")
 
+
+NOT_AN_LM = ("is not a byte-level language model ({why}); generate samples from a model that maps byte ids to "
+             "next-byte logits: rnn_lm, transformer_lm, or your own factory of one\n")
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("classifiers")
+    for model in ("digits_cnn", "mlp"):
+        polytrain.fit(strategy="single", model=model, data="digits", steps=1, batch_size=8, progress="off",
+                      eval_every=0, save_model=str(out / f"{model}.pt"), checkpoint_dir=str(out / model))
+    return out
+
+
+@pytest.mark.parametrize("model, why", [("digits_cnn", "it does not take byte ids"),
+                                        ("mlp", "it has no token embedding")])
+def test_a_classifier_is_not_a_language_model(classifiers, capsys, model, why):
+    code, out, err = generate(capsys, "--checkpoint-dir", str(classifiers / model))
+    assert (code, out) == (2, "")
+    assert err == f"polytrain: error: the run's model {model} (trained on digits) " + NOT_AN_LM.format(why=why)
+    code, _, err = generate(capsys, "--weights", str(classifiers / f"{model}.pt"), "--model", model)
+    assert err == f"polytrain: error: --model {model} " + NOT_AN_LM.format(why=why)
+
+
+def embedding_classifier(num_classes: int = 256) -> nn.Module:
+    """A model with a token embedding that classifies a whole sequence: no next-byte logits."""
+    return nn.Sequential(nn.Embedding(num_classes, 4), nn.Flatten(), nn.Linear(4, 3))
+
+
+def test_a_model_without_next_byte_logits_is_not_a_language_model(tmp_path, capsys):
+    spec = f"{__name__}:embedding_classifier"
+    torch.save(embedding_classifier().state_dict(), tmp_path / "w.pt")
+    code, _, err = generate(capsys, "--weights", str(tmp_path / "w.pt"), "--model", spec)
+    why = "for 1 byte id it gives outputs of shape (1, 3), not (1, 1, vocab)"
+    assert (code, err) == (2, f"polytrain: error: --model {spec} " + NOT_AN_LM.format(why=why))
+
+
+def test_a_prompt_that_is_not_utf8_is_continued(run_dir, capsys):
+    """Bytes a shell passes that are not UTF-8 reach Python as surrogates: sampled after, printed as U+FFFD."""
+    code, out, _ = generate(capsys, "--weights", str(run_dir / "lm.pt"), "--model", MODEL, "--prompt", "a\udcffb",
+                            "--tokens", "3", "--temperature", "0")
+    assert code == 0 and out.startswith("a\ufffdb")

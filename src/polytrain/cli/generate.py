@@ -8,6 +8,7 @@ vocabulary and, for ``transformer_lm``, the number of positions are read from th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -38,7 +39,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--prompt", default="", help="text to continue (default: none, start a new line)")
     parser.add_argument("--tokens", type=int, default=200, metavar="N", help="bytes to generate (default: 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="softmax temperature; 0 always takes the likeliest byte (default: 0.8)")
+                        help="softmax temperature, a finite number >= 0; 0 always takes the likeliest byte "
+                             "(default: 0.8)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.set_defaults(handler=run)
 
@@ -49,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 0:
         raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 always takes the likeliest byte), "
+                          f"got {args.temperature}")
     model = load_model(args)
-    prompt = args.prompt.encode("utf-8")
+    prompt = args.prompt.encode("utf-8", errors="surrogateescape")  # bytes the shell passed that are not UTF-8
     text = (prompt + sample_bytes(model, prompt, args.tokens, args.temperature, args.seed)).decode(
         "utf-8", errors="replace")
     sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
@@ -60,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
 def load_model(args: argparse.Namespace):
     """The model the arguments name, with its trained weights loaded."""
     from polytrain.errors import ConfigError
-    from polytrain.models.lm import shape_from_state
-    from polytrain.models.registry import build_model
     from polytrain.specs import parse_assignments
 
     state, saved = _read_weights(args)
@@ -74,15 +77,70 @@ def load_model(args: argparse.Namespace):
         model_args = {**trained_with, **parse_assignments(args.model_arg)}
     except ValueError as exc:
         raise ConfigError(f"--model-arg: {exc}") from None
-    shape = {"input_shape": (1,), "num_classes": 256, **shape_from_state(state)}
-    model = build_model(spec, model_args, **shape)
+    model = _build_language_model(spec, model_args, state, saved)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"the weights do not fit --model {spec} with these arguments ({first}); give the "
-                          "--model and --model-arg values the model was trained with") from None
+        raise ConfigError(f"the weights do not fit --model {spec} with these arguments ({_load_error(exc)}); "
+                          "give the --model and --model-arg values the model was trained with") from None
+    _check_next_token_logits(model, spec, saved)
     return model
+
+
+def _build_language_model(spec: str, model_args: dict[str, Any], state: dict[str, Any], saved: dict[str, Any]):
+    """``spec`` built for byte ids (vocabulary and positions read from ``state``); one ConfigError line if
+    it is no language model."""
+    from polytrain.errors import ConfigError
+    from polytrain.models.lm import model_vocab_size, shape_from_state
+    from polytrain.models.registry import build_model
+
+    shape = {"input_shape": (1,), "num_classes": 256, **shape_from_state(state)}
+    try:
+        model = build_model(spec, model_args, **shape)
+    except ConfigError:
+        if shape_from_state(state):  # a language model's weights: the arguments are what is wrong
+            raise
+        raise ConfigError(_not_a_language_model(spec, saved, "it does not take byte ids")) from None
+    if model_vocab_size(model) is None:
+        raise ConfigError(_not_a_language_model(spec, saved, "it has no token embedding"))
+    return model
+
+
+def _load_error(exc: RuntimeError) -> str:
+    """What ``load_state_dict`` found wrong, in one line: past its header, shortened."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    first = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
+    return first if len(first) <= 160 else first[:160] + "…"
+
+
+def _not_a_language_model(spec: str, saved: dict[str, Any], why: str) -> str:
+    ours = saved.get("model") == spec and saved.get("data")
+    what = f"the run's model {spec} (trained on {saved['data']})" if ours else f"--model {spec}"
+    return (f"{what} is not a byte-level language model ({why}); generate samples from a model that maps "
+            "byte ids to next-byte logits: rnn_lm, transformer_lm, or your own factory of one")
+
+
+def _check_next_token_logits(model: Any, spec: str, saved: dict[str, Any]) -> None:
+    """One ConfigError line unless one byte id in gives (1, 1, vocab) logits out."""
+    import torch
+
+    from polytrain.errors import ConfigError
+    from polytrain.models.sampling import START
+    from polytrain.train.tasks import outputs_of
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            shape = tuple(outputs_of(model(torch.tensor([list(START)]))).shape)
+    except Exception as exc:  # noqa: BLE001 - whatever a model that takes no byte ids raises
+        shape, why = None, f"it fails on byte ids: {type(exc).__name__}"
+    model.train(was_training)
+    if shape is not None:
+        if len(shape) == 3 and shape[:2] == (1, 1):
+            return
+        why = f"for 1 byte id it gives outputs of shape {shape}, not (1, 1, vocab)"
+    raise ConfigError(_not_a_language_model(spec, saved, why))
 
 
 def _read_weights(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
