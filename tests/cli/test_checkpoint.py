@@ -132,4 +132,26 @@ def test_export_of_a_checkpoint_without_a_model_or_to_an_unwritable_path_is_one_
     out.mkdir()
     assert main(["checkpoint", "export", str(tmp_path / "ok"), str(out)]) == 2
     err = capsys.readouterr().err
-    assert err == f"polytrain: error: {out}: cannot write the model there (Is a directory)\n"
+    assert err == f"polytrain: error: {out}: is a directory; give the path of the file to write (e.g. {out}/model.pt)\n"
+    too_long = str(tmp_path / ("x" * 300 + ".pt"))  # no file system takes a 300-byte name
+    assert main(["checkpoint", "export", str(tmp_path / "ok"), too_long]) == 2
+    assert capsys.readouterr().err == f"polytrain: error: {too_long}: cannot write the model there (File name too long)\n"
+
+
+def test_export_into_a_missing_directory_creates_nothing_and_is_one_line(tmp_path, capsys):
+    from polytrain.cli.main import main
+    from polytrain.train.checkpoint import Checkpointer
+
+    Checkpointer(tmp_path / "ok").save({"model": {"w": torch.ones(2)}}, 1)
+    missing = tmp_path / "missing" / "deeper"
+    assert main(["checkpoint", "export", str(tmp_path / "ok"), str(missing / "m.pt")]) == 2
+    assert capsys.readouterr().err == (f"polytrain: error: {missing / 'm.pt'}: its directory {missing} does not exist; "
+                                       "create it first, or give a path in an existing directory\n")
+    assert not (tmp_path / "missing").exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert main(["checkpoint", "export", str(tmp_path / "ok"), str(a_file / "m.pt")]) == 2
+    assert capsys.readouterr().err == (f"polytrain: error: {a_file / 'm.pt'}: {a_file} is a file, not a directory; "
+                                       "give a path in an existing directory\n")
+    assert main(["checkpoint", "export", str(tmp_path / "ok"), str(tmp_path / "m.pt")]) == 0  # an existing one
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["w"], torch.ones(2))

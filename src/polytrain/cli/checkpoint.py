@@ -63,6 +63,7 @@ def run_export(args: argparse.Namespace) -> int:
     from polytrain.errors import ConfigError
     from polytrain.train.checkpoint import atomic_save
 
+    _check_export_path(args.out)
     _, verdicts = _verdicts(args.dir)
     chosen = _pick(args, verdicts)
     if not chosen.ok:
@@ -82,6 +83,23 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.out}: cannot write the model there ({exc.strerror or exc})") from None
     print(f"wrote {args.out}: the model of step {chosen.state['step']} ({len(model)} tensors) from {chosen.path}")
     return 0
+
+
+def _check_export_path(out: str) -> None:
+    """One ConfigError line if ``out`` is a directory or its directory is missing (export creates none)."""
+    import os
+
+    from polytrain.errors import ConfigError
+
+    parent = os.path.dirname(out) or "."
+    if os.path.isdir(out):
+        raise ConfigError(f"{out}: is a directory; give the path of the file to write (e.g. "
+                          f"{os.path.join(out, 'model.pt')})")
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ConfigError(f"{out}: {parent} is a file, not a directory; give a path in an existing directory")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{out}: its directory {parent} does not exist; create it first, or give a path in an "
+                          "existing directory")
 
 
 def _verdicts(directory: str) -> tuple[Any, list[Any]]:
