@@ -15,35 +15,40 @@ Public API::
 
 __version__ = "0.1.0"
 
-from polytrain.api import fit, strategy  # noqa: E402
-from polytrain.config import RunConfig, make_config  # noqa: E402
-from polytrain import models  # noqa: E402,F401
-from polytrain.data import build_data, register_dataset  # noqa: E402
-from polytrain.data.base import DataBundle, TensorData  # noqa: E402
-from polytrain.devices import (  # noqa: E402
-    DeviceSpec,
-    OpDeviceLog,
-    PlacementPlan,
-    device,
-    list_devices,
-    log_placement,
-    parse_device,
-    place,
-)
-from polytrain.distributed.launch import WorkerContext, launch  # noqa: E402
-from polytrain.distributed.topology import Topology  # noqa: E402
-from polytrain.errors import ConfigError, DeviceError, DivergedError, PolytrainError  # noqa: E402
-from polytrain.strategies import Strategy, available_strategies, get_strategy, register_strategy  # noqa: E402
-from polytrain.train.checkpoint import Checkpointer  # noqa: E402
-from polytrain.train.schedules import Schedule, parse_schedule  # noqa: E402
-from polytrain.train.session import seed_everything  # noqa: E402
-from polytrain.train.trainer import Trainer  # noqa: E402
+import importlib as _importlib
 
-__all__ = [
-    "Checkpointer", "ConfigError", "DataBundle", "DivergedError", "PolytrainError", "RunConfig", "Schedule",
-    "Strategy", "TensorData", "Topology", "Trainer", "WorkerContext", "available_strategies", "build_data", "fit",
-    "get_strategy", "launch", "make_config", "models", "parse_schedule", "register_dataset", "register_strategy", "seed_everything", "strategy",
-    # devices and placement
-    "DeviceError", "DeviceSpec", "OpDeviceLog", "PlacementPlan", "device", "list_devices", "log_placement",
-    "parse_device", "place",
-]
+#: where each public name lives: imported on first use (PEP 562), so that ``import polytrain.errors`` or the
+#: command line's start does not import torch and every component first
+_EXPORTS = {
+    "fit": "polytrain.api", "strategy": "polytrain.api",
+    "RunConfig": "polytrain.config", "make_config": "polytrain.config",
+    "build_data": "polytrain.data", "register_dataset": "polytrain.data",
+    "DataBundle": "polytrain.data.base", "TensorData": "polytrain.data.base",
+    **{name: "polytrain.devices" for name in ("DeviceSpec", "OpDeviceLog", "PlacementPlan", "device", "list_devices",
+                                              "log_placement", "parse_device", "place")},
+    "WorkerContext": "polytrain.distributed.launch", "launch": "polytrain.distributed.launch",
+    "Topology": "polytrain.distributed.topology",
+    **{name: "polytrain.errors" for name in ("ConfigError", "DeviceError", "DivergedError", "PolytrainError")},
+    **{name: "polytrain.strategies" for name in ("Strategy", "available_strategies", "get_strategy",
+                                                 "register_strategy")},
+    "Checkpointer": "polytrain.train.checkpoint",
+    "Schedule": "polytrain.train.schedules", "parse_schedule": "polytrain.train.schedules",
+    "seed_everything": "polytrain.train.session",
+    "Trainer": "polytrain.train.trainer",
+}
+
+__all__ = sorted([*_EXPORTS, "models"])
+
+
+def __getattr__(name: str):
+    if name == "models":
+        return _importlib.import_module("polytrain.models")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'polytrain' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
