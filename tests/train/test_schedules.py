@@ -55,11 +55,35 @@ def test_schedule_prints_its_spec():
     ("cosine:5", "--lr-schedule: write arguments as key=value, e.g. exponential:rate=0.1,decay_steps=1000"),
     ("exponential:rate=0,decay_steps=10", "--lr-schedule exponential: rate must be a number > 0, got 0"),
     ("linear:min_lr=-0.1", "--lr-schedule linear: min_lr must be a number >= 0, got -0.1"),
+    ("cosine:min_lr=true", "--lr-schedule cosine: min_lr must be a number >= 0, got True"),
+    ("linear:min_lr=1e400", "--lr-schedule linear: min_lr must be a number >= 0, got inf"),
+    ("exponential:rate=1e400,decay_steps=10", "--lr-schedule exponential: rate must be a number > 0, got inf"),
 ])
 def test_bad_specs_name_the_problem(spec, needle):
     with pytest.raises(ConfigError, match=None) as err:
         parse_schedule(spec, 0.1, 100)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_a_floor_above_the_learning_rate_is_refused(kind):
+    with pytest.raises(ConfigError) as err:
+        parse_schedule(f"{kind}:min_lr=1,warmup=5", 0.1, 100)
+    assert str(err.value) == (f"--lr-schedule {kind}: min_lr 1 is above the learning rate 0.1 it decays from (--lr, "
+                              "scaled if --lr-scaling is set); give a min_lr <= 0.1, or a higher --lr")
+    flat = parse_schedule(f"{kind}:min_lr=0.1", 0.1, 100)  # a floor at the learning rate: constant
+    assert flat(0) == pytest.approx(0.1) and flat(99) == pytest.approx(0.1)
+
+
+def test_train_refuses_a_floor_above_the_learning_rate_before_any_worker_starts(capsys):
+    from polytrain.cli.main import main
+
+    code = main(["train", "--strategy", "sync", "--workers", "2", "--lr", "0.1", "--lr-schedule", "cosine:min_lr=1",
+                 "--steps", "5", "--progress", "off"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")  # no worker's line: refused in this process
+    assert err == ("polytrain: error: --lr-schedule cosine: min_lr 1 is above the learning rate 0.1 it decays from "
+                   "(--lr, scaled if --lr-scaling is set); give a min_lr <= 0.1, or a higher --lr\n")
 
 
 def test_large_batch_scaling():

@@ -5,8 +5,8 @@ Specs (``--lr-schedule``)::
 
     constant
     exponential:rate=0.1,decay_steps=1000[,staircase=true]   lr * rate ** (step / decay_steps)  (TensorFlow)
-    cosine[:min_lr=0.0]                                      half-cosine from lr to min_lr (last step)
-    linear[:min_lr=0.0]                                      straight line from lr to min_lr (last step)
+    cosine[:min_lr=0.0]                                      half-cosine from lr to min_lr <= lr (last step)
+    linear[:min_lr=0.0]                                      straight line from lr to min_lr <= lr (last step)
 
 Every schedule also takes ``warmup=N``: the first N steps ramp linearly up to the schedule's value
 (``lr * (step + 1) / N``), e.g. ``cosine:warmup=100``.
@@ -90,6 +90,7 @@ def parse_schedule(spec: str, base_lr: float, total_steps: int) -> Schedule:
         raise ConfigError(f"--lr-schedule {parsed.name}: missing {', '.join(missing)} "
                           f"(e.g. exponential:rate=0.1,decay_steps=1000)")
     _check(parsed.name, params, warmup)
+    _check_floor(parsed.name, params, float(base_lr))
     return Schedule(parsed.name, float(base_lr), int(total_steps), int(warmup), params)
 
 
@@ -97,16 +98,32 @@ def _check(kind: str, params: dict[str, Any], warmup: Any) -> None:
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ConfigError(f"--lr-schedule {kind}: warmup must be an integer >= 0, got {warmup!r}")
     if kind == "exponential":
-        if not isinstance(params["rate"], (int, float)) or isinstance(params["rate"], bool) or params["rate"] <= 0:
+        if not _finite(params["rate"]) or params["rate"] <= 0:
             raise ConfigError(f"--lr-schedule exponential: rate must be a number > 0, got {params['rate']!r}")
         steps = params["decay_steps"]
-        if not isinstance(steps, (int, float)) or isinstance(steps, bool) or steps <= 0:
+        if not _finite(steps) or steps <= 0:
             raise ConfigError(f"--lr-schedule exponential: decay_steps must be > 0, got {steps!r}")
         if not isinstance(params["staircase"], bool):
             raise ConfigError(f"--lr-schedule exponential: staircase must be true or false, got {params['staircase']!r}")
-    if kind in ("cosine", "linear"):
-        if not isinstance(params["min_lr"], (int, float)) or params["min_lr"] < 0:
+    if kind in _FLOORS:
+        if not _finite(params["min_lr"]) or params["min_lr"] < 0:
             raise ConfigError(f"--lr-schedule {kind}: min_lr must be a number >= 0, got {params['min_lr']!r}")
+
+
+#: the schedules that decay towards a floor, and its argument: a floor above the start is no decay
+_FLOORS = {"cosine": "min_lr", "linear": "min_lr"}
+
+
+def _check_floor(kind: str, params: dict[str, Any], base_lr: float) -> None:
+    name = _FLOORS.get(kind)
+    if name is not None and params[name] > base_lr:
+        raise ConfigError(f"--lr-schedule {kind}: {name} {params[name]:g} is above the learning rate {base_lr:g} "
+                          f"it decays from (--lr, scaled if --lr-scaling is set); give a {name} <= {base_lr:g}, or a higher --lr")
+
+
+def _finite(value: Any) -> bool:
+    """A finite int or float (true/false are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def scaled_lr(lr: float, rule: str, batch_size: int, base_batch_size: int | None) -> float:
