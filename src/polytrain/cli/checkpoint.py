@@ -45,6 +45,9 @@ def add_parser(sub: Any) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from polytrain.errors import ConfigError
 
+    in_use = _in_use_line(args.dir)
+    if in_use:
+        print(in_use)
     checkpointer, verdicts = _verdicts(args.dir)
     latest = checkpointer.latest()
     print(f"{args.dir}: {len(verdicts)} checkpoint(s); latest -> {latest.name if latest else '(none)'}")
@@ -100,6 +103,17 @@ def _check_export_path(out: str) -> None:
     if not os.path.isdir(parent):
         raise ConfigError(f"{out}: its directory {parent} does not exist; create it first, or give a path in an "
                           "existing directory")
+
+
+def _in_use_line(directory: str) -> str | None:
+    """Who is writing ``directory`` now (None: no live run), asked without taking its lock."""
+    from polytrain.train.dirlock import describe, live_owner
+
+    owner = live_owner(directory)
+    if owner is None:
+        return None
+    who = describe(owner) if owner else "starting"
+    return f"{directory}: in use by a live run ({who}); it may write a newer checkpoint at any time"
 
 
 def _verdicts(directory: str) -> tuple[Any, list[Any]]:
