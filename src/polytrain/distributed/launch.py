@@ -298,7 +298,7 @@ def _spawn(job: "_Job", master_port: int | None, rank_names: Sequence[str] | Non
                          signal_name=stop.requested, signum=stop.signum, resumable=True)
     if stop is not None:  # this process's request reaches every worker through the store
         stop.connect(lambda: connect_store("127.0.0.1", server.port, timedelta(seconds=job.timeout_s)), watch=False,
-                     launcher=True)
+                     launcher=lambda: [proc.pid for proc in processes if proc.is_alive()])
     deferring = stop.deferring() if stop is not None else contextlib.nullcontext()
     check = stop.check if stop is not None else (lambda: None)
     # a signal's "at once" is raised by check(): between starts and in supervise, never inside a start
@@ -496,7 +496,7 @@ def _set_stop_signals(orderly: bool) -> StopSignal:
     has no orderly stop, their defaults again (Ctrl-C stays the launcher's: it stops the workers)."""
     stop = StopSignal()
     if orderly:
-        stop.install(exit_at_once, logging.DEBUG)  # for the worker's whole life (the launcher says so)
+        stop.install(exit_at_once, logging.DEBUG, nudged=True)  # for the worker's whole life (the launcher says so)
     else:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)

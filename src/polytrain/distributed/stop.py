@@ -38,6 +38,8 @@ from polytrain.log import get_logger
 #: the signals that ask for an orderly stop
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
                      if hasattr(signal, name))
+#: the launcher's nudge to its workers: "a stop was asked, it is in the store" (noticed before the next step)
+NUDGE = getattr(signal, "SIGUSR2", None)
 #: the exit code of a run stopped by a signal after writing a checkpoint (sysexits' EX_TEMPFAIL: try again)
 EXIT_STOPPED = 75
 _KEY = "request"
@@ -50,6 +52,12 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def signal_number(name: str) -> int:
+    """``SIGTERM`` -> 15; 0 for anything else."""
+    member = getattr(signal.Signals, name, None) if name.startswith("SIG") else None
+    return int(member) if member is not None else 0
 
 
 def exit_code(signum: int) -> int:
@@ -95,10 +103,13 @@ class StopSignal:
         self._second = 0  # a second signal's number
         self._deferred = False
         self._wake_r, self._wake_w = -1, -1
+        self._nudge: Callable[[], list[int]] = lambda: []  # a launcher's live workers
+        self._nudged = False  # the launcher nudged this worker: the request's name is in the store
 
     @property
     def requested(self) -> str | None:
-        return self._name
+        """The first request's signal name (``"a stop request"`` until a nudged worker has read it)."""
+        return self._name if self._name is not None or not self._nudged else "a stop request"
 
     @property
     def signum(self) -> int:
@@ -111,10 +122,18 @@ class StopSignal:
                 return False
             self._name, self._signum = name, signum
             launcher = self._launcher
-        if launcher is not None and launcher.compare_set(self._key(_STARTED), "", "stopped") == b"stopped":
-            self._before_training = True  # nobody trains yet: the launcher ends its workers (check())
-        else:
+        if launcher is None:
             self._publish()
+        elif launcher.compare_set(self._key(_STARTED), "", "stopped") == b"stopped":
+            self._before_training = True  # nobody trains yet: the launcher ends its workers (check())
+        else:  # at once, on its own connection (this is the main thread); then a nudge to every worker
+            with self._lock:
+                self._published = True
+            with contextlib.suppress(Exception):
+                launcher.set(self._key(_KEY), name)
+            for pid in self._nudge():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, NUDGE)
         return True
 
     def begin(self) -> bool:
@@ -126,11 +145,13 @@ class StopSignal:
 
     # -- signals -------------------------------------------------------------------------------------
 
-    def install(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING) -> Callable[[], None]:
+    def install(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING,
+                nudged: bool = False) -> Callable[[], None]:
         """From now on the first stop signal calls :meth:`request` and says so (at ``level``), a later one
         ``at_once(signum)`` (default: raise :class:`StopNow`, or leave it to :meth:`check` while
-        :meth:`deferring`); returns what restores the previous handlers. Outside the main thread (where Python
-        cannot install handlers) this does nothing."""
+        :meth:`deferring`); with ``nudged`` (a launched worker), the launcher's :data:`NUDGE` marks a request
+        at once. Returns what restores the previous handlers. Outside the main thread (where Python cannot
+        install handlers) this does nothing."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         count = [0]
@@ -152,6 +173,8 @@ class StopSignal:
                 raise StopNow(signum)
 
         saved = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+        if nudged and NUDGE is not None:  # the launcher's nudge: a request is in the store (the watcher reads it)
+            saved[NUDGE] = signal.signal(NUDGE, lambda signum, frame: setattr(self, "_nudged", True))
 
         def restore() -> None:
             for sig, old in saved.items():
@@ -208,15 +231,16 @@ class StopSignal:
     # -- the job's store -----------------------------------------------------------------------------
 
     def connect(self, store_factory: Callable[[], Any], prefix: str = "polytrain/stop", watch: bool = True,
-                launcher: bool = False) -> None:
+                launcher: Callable[[], list[int]] | None = None) -> None:
         """Publish this process's request (now, if one came earlier) to the store ``store_factory()``
         connects to, under ``prefix``; with ``watch``, a thread takes any other process's request from it.
-        A ``launcher`` (of a new set of workers, each time) ends them at once when asked to stop before
-        they began training."""
-        launcher_store = store_factory() if launcher else None
+        A ``launcher`` (of a new set of workers, each time; it gives their pids) ends them at once when asked
+        to stop before they began training, else nudges them (:data:`NUDGE`) after publishing."""
+        launcher_store = store_factory() if launcher is not None else None
         with self._lock:
             self._store, self._prefix, self._published = store_factory, prefix.rstrip("/"), False
             self._launcher, self._before_training = launcher_store, False
+            self._nudge = launcher or (lambda: [])
         self._publish()
         if watch:
             threading.Thread(target=self._watch, name="polytrain-stop-watch", daemon=True).start()

@@ -17,7 +17,7 @@ from polytrain.data.registry import check_data
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
-from polytrain.distributed.stop import StopSignal
+from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.registry import check_model
 from polytrain.strategies import get_strategy
@@ -101,16 +101,17 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
     )
     summary = results[0]  # under torchrun: this process's own
     if isinstance(summary, dict) and summary.get("stopped"):
-        raise stopped_error(summary)
+        raise stopped_error(summary, stop.requested if stop is not None else None)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return None
     return summary
 
 
-def stopped_error(summary: dict[str, Any]) -> RunStopped:
-    """The one line that ends a run stopped by a signal, from its summary's ``stopped`` record."""
+def stopped_error(summary: dict[str, Any], signal: str | None = None) -> RunStopped:
+    """The one line that ends a run stopped by a signal (``signal``: the one this process got, if any), from
+    its summary's ``stopped`` record."""
     stopped = summary["stopped"]
-    name, step, path = stopped["signal"], stopped["step"], stopped["checkpoint"]
+    name, step, path = signal or stopped["signal"], stopped["step"], stopped["checkpoint"]
     if path:
         message = f"stopped by {name} after step {step}; checkpoint {path}: the same command with --resume continues there"
     elif not stopped["trained"]:
@@ -118,5 +119,5 @@ def stopped_error(summary: dict[str, Any]) -> RunStopped:
     else:
         message = (f"stopped by {name} after step {step}; the {stopped['trained']} step(s) trained were not saved "
                    "(no --checkpoint-dir)")
-    return RunStopped(message, signal_name=name, signum=stopped["signum"], step=step, checkpoint=path,
+    return RunStopped(message, signal_name=name, signum=signal_number(name), step=step, checkpoint=path,
                       resumable=bool(path) or not stopped["trained"], summary=summary)

@@ -170,8 +170,7 @@ class Trainer:
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
         summary = self._summary(step, totals, train_loss, last_eval)
-        summary["stopped"] = {"signal": name, "signum": self.stop.signum, "step": step, "checkpoint": path,
-                              "trained": step - s.start_step}
+        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step}
         return summary
 
     def _checkpoint_due(self, done: int) -> bool:

@@ -1,0 +1,199 @@
+"""`polytrain train` stopped from outside, as a scheduler or a user stops it: SIGTERM (Slurm, Kubernetes), Ctrl-C
+to the process group, a second signal, SIGKILL of the main process, a signal to one worker. Each time: no
+process of the job is left within the bound, the exit code says what happened, and a run stopped with a
+checkpoint directory resumes bit for bit where it stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from polytrain.train.checkpoint import Checkpointer
+from tests.helpers.procs import alive, descendants, worker_rank
+
+STEPS = 200
+COMMON = ["--data", "digits", "--model", "mlp:hidden=16x16", "--batch-size", "32", "--steps", str(STEPS),
+          "--progress", "off", "--eval-every", "0", "--lr", "0.05", "--log-every", "1", "--seed", "4"]
+STRATEGIES = {
+    "sync": ["--strategy", "sync", "--workers", "2"],
+    # staleness 0: the servers apply each step's slices in slice order, so a resumed run is the same bit for bit
+    "async": ["--strategy", "async", "--workers", "2", "--staleness", "0"],
+    "pipeline": ["--strategy", "pipeline", "--stages", "2", "--microbatches", "2"],
+}
+BOUND_S = 5.0  # every process of the job gone within this after the signal
+
+
+def _start(args, env):
+    return subprocess.Popen([sys.executable, "-m", "polytrain", "train", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _steps_logged(metrics):
+    if not metrics.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    return max([s for s in steps if isinstance(s, int)], default=0)
+
+
+def _wait_for_step(proc, metrics, step, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while _steps_logged(metrics) < step:
+        assert proc.poll() is None, f"ended before step {step}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.01)
+
+
+def _gone_within(tree, seconds):
+    """Wait until no process of ``tree`` runs; the seconds it took (fails past ``seconds``)."""
+    started = time.monotonic()
+    while alive(tree):
+        assert time.monotonic() - started < seconds, f"still running {seconds} s after the signal: {alive(tree)}"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def _signal_and_collect(proc, signum, *, group=False, then=None):
+    """Send ``signum`` to the command (or its process group), and ``then`` another one; the job's process tree
+    at that moment, the seconds until it was all gone, and the command's output."""
+    tree = descendants(proc.pid)
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    if then is not None:  # (a second one of the same kind could merge with the first while pending)
+        os.kill(proc.pid, then)
+    took = _gone_within(tree, BOUND_S)
+    out, err = proc.communicate(timeout=30)
+    return took, out, err
+
+
+def _model(path):
+    return torch.load(path, weights_only=True)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _checkpoint_steps(directory):
+    return Checkpointer(directory).steps()
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bit_for_bit(cli_env, tmp_path, name):
+    args = [*COMMON, *STRATEGIES[name]]
+    whole = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--save-model", str(tmp_path / "w.pt")],
+                           env=cli_env, capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = _start([*args, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)], cli_env)
+    at = random.Random().randint(3, STEPS // 3)
+    _wait_for_step(proc, metrics, at)
+    logged = _steps_logged(metrics)  # the step in flight is at most one past this
+    took, _, err = _signal_and_collect(proc, signal.SIGTERM)
+    assert proc.returncode == 75, err
+    steps = _checkpoint_steps(ckpt)
+    stop = steps[-1]
+    assert logged <= stop <= logged + 3, f"{name}: signal after step {logged}, stopped after {stop}"
+    assert f"stopped by SIGTERM after step {stop}" in err and err.count("\n") <= 3, err
+    good = Checkpointer(ckpt).choose().good
+    assert good is not None and good.step == stop and Checkpointer(ckpt).latest().name == f"step-{stop:08d}.pt"
+    resumed = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--checkpoint-dir", str(ckpt),
+                              "--resume", "--save-model", str(tmp_path / "r.pt")], env=cli_env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _same(_model(tmp_path / "w.pt"), _model(tmp_path / "r.pt")), f"{name}: stopped after step {stop}"
+    assert took < BOUND_S
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.5, 3.0])
+def test_sigterm_in_the_first_seconds_leaves_nothing_running_and_loses_nothing(cli_env, tmp_path, delay):
+    ckpt = tmp_path / "ck"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt)], cli_env)
+    time.sleep(delay)
+    _, _, err = _signal_and_collect(proc, signal.SIGTERM)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err and "stopped by SIGTERM" in err, err
+    for step in _checkpoint_steps(ckpt):  # a checkpoint, if any, is whole (a stop after the first steps)
+        assert Checkpointer(ckpt).choose().good.step == step == _checkpoint_steps(ckpt)[-1]
+
+
+def test_sigkill_of_the_main_process_ends_every_worker_and_nothing_is_written_after(cli_env, tmp_path):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                   "--metrics-file", str(metrics)], cli_env)
+    _wait_for_step(proc, metrics, random.Random().randint(5, 40))
+    tree = descendants(proc.pid)
+    killed_at = time.time()
+    proc.kill()
+    _gone_within(tree, 3.0)
+    proc.communicate(timeout=30)
+    late = [p.name for p in ckpt.iterdir() if p.stat().st_mtime > killed_at + 0.01]
+    assert not late, f"written after the kill: {late}"
+    good = Checkpointer(ckpt).choose().good
+    assert good is not None and good.path == Checkpointer(ckpt).latest()
+
+
+def test_ctrl_c_to_the_process_group_stops_in_order_without_a_traceback(cli_env, tmp_path):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["pipeline"], "--checkpoint-dir", str(ckpt), "--metrics-file",
+                   str(metrics)], cli_env)
+    _wait_for_step(proc, metrics, 5)
+    _, out, err = _signal_and_collect(proc, signal.SIGINT, group=True)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert f"stopped by SIGINT after step {_checkpoint_steps(ckpt)[-1]}" in err
+
+
+def test_a_second_signal_stops_at_once(cli_env, tmp_path):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)],
+                  cli_env)
+    _wait_for_step(proc, metrics, 5)
+    # (pending together, Linux hands signals over lowest number first: SIGINT, then SIGTERM)
+    _, _, err = _signal_and_collect(proc, signal.SIGINT, then=signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped at once by a second SIGTERM" in err and "Traceback" not in err
+
+
+def test_without_a_checkpoint_directory_the_stop_says_what_is_lost(cli_env, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--metrics-file", str(metrics)], cli_env)
+    _wait_for_step(proc, metrics, 5)
+    _, out, err = _signal_and_collect(proc, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "were not saved (no --checkpoint-dir)" in err
+    assert "without --checkpoint-dir: the" in out + err  # the rank-0 warning, before the end
+
+
+def test_a_signal_to_one_worker_stops_the_whole_job_in_order(cli_env, tmp_path):
+    """A scheduler may signal one process of the job (one preempted pod): every rank learns of it."""
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)],
+                  cli_env)
+    _wait_for_step(proc, metrics, 5)
+    tree = descendants(proc.pid)
+    (worker,) = [pid for pid in tree if worker_rank(pid) == 1]
+    os.kill(worker, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    _gone_within(tree, 2.0)
+    assert f"stopped by SIGTERM after step {_checkpoint_steps(ckpt)[-1]}" in err
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp_path, fail):
+    env = dict(cli_env, POLYTRAIN_INJECT_KILL="rank=1,steps=5") if fail else cli_env
+    metrics = tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--steps", "20", "--metrics-file", str(metrics)], env)
+    _wait_for_step(proc, metrics, 1)
+    tree = descendants(proc.pid)  # the forkserver and the resource tracker among them
+    assert len(tree) >= 5, tree
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == (1 if fail else 0), err
+    assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
