@@ -155,3 +155,13 @@ def test_export_into_a_missing_directory_creates_nothing_and_is_one_line(tmp_pat
                                        "give a path in an existing directory\n")
     assert main(["checkpoint", "export", str(tmp_path / "ok"), str(tmp_path / "m.pt")]) == 0  # an existing one
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["w"], torch.ones(2))
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(run, cli_env):
+    """`polytrain checkpoint inspect DIR | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "polytrain", "checkpoint", "inspect", str(run / "ckpt")],
+                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before it writes a line: every write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

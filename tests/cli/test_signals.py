@@ -186,6 +186,21 @@ def test_a_signal_to_one_worker_stops_the_whole_job_in_order(cli_env, tmp_path):
     assert f"stopped by SIGTERM after step {_checkpoint_steps(ckpt)[-1]}" in err
 
 
+def test_a_second_signal_to_one_worker_ends_it_at_once_and_the_job_with_it(cli_env, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--metrics-file", str(metrics)], cli_env)
+    _wait_for_step(proc, metrics, 5)
+    tree = descendants(proc.pid)
+    (worker,) = [pid for pid in tree if worker_rank(pid) == 1]
+    os.kill(worker, signal.SIGINT)  # (pending together, SIGINT is handed over first)
+    os.kill(worker, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "SIGTERM again: stopping this process at once" in err
+    assert "worker rank 1 exited with code 143" in err
+    _gone_within(tree, 2.0)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp_path, fail):
     env = dict(cli_env, POLYTRAIN_INJECT_KILL="rank=1,steps=5") if fail else cli_env

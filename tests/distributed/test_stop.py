@@ -133,3 +133,16 @@ def test_a_deferred_second_signal_is_raised_by_check_and_wakes_its_descriptor():
         assert os.read(wake, 10)
         with pytest.raises(StopNow):
             stop.check()
+
+
+def test_a_strategy_that_misses_its_collective_steps_is_caught_not_run_past(store_factory):
+    """``syncs_at`` true at a step whose work holds no collective lets a rank pass the agreed stop step."""
+    ranks = [StopSignal(), StopSignal()]
+    for stop in ranks:
+        stop.connect(store_factory, watch=False)
+        stop._name = "SIGTERM"
+    ahead, behind = ranks[0].agreement(0, 2), ranks[1].agreement(1, 2)
+    behind.stop_step(2, lambda b: True, 100)  # proposes 3
+    assert ahead.stop_step(4, lambda b: b != 5, 100) is None  # proposes 6 (5 said to hold no collective)
+    with pytest.raises(RuntimeError, match="stop step 6 agreed while this rank is already at step 7"):
+        ahead.stop_step(7, lambda b: True, 100)  # it missed step 6: it ran past the agreed step
