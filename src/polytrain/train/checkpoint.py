@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from polytrain.distributed.lifetime import end_if_orphaned
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.log import get_logger
 from polytrain.options import option, register_section
@@ -77,6 +78,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         tmp = _tmp_path(path)
         try:
             _save_to(obj, tmp)
+            end_if_orphaned(lambda: _discard(tmp))
             os.replace(tmp, path)
         finally:
             written = _discard(tmp)
@@ -125,6 +127,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = _tmp_path(path)
     try:
         _write_text_to(tmp, text)
+        end_if_orphaned(lambda: _discard(tmp))
         os.replace(tmp, path)
     finally:
         _discard(tmp)
@@ -304,6 +307,7 @@ class Checkpointer:
             # hashed from the disk after the fsync: the checksum is of the bytes a later load will read
             record = {**build_manifest(data_tmp, full, step), "file": path.name}
             _write_text_to(manifest_tmp, dumps_manifest(record))
+            end_if_orphaned(lambda: (_discard(data_tmp), _discard(manifest_tmp)))  # the launcher died meanwhile
             os.replace(manifest_tmp, manifest)
             try:
                 os.replace(data_tmp, path)
