@@ -3,8 +3,9 @@
     git worktree add /tmp/before <commit>
     python tools/same_runs.py /tmp/before/src src
 
-Runs single, sync, sync with --accumulate 2 and sync over gloo with Adam on digits with each checkout's
-sources (in fresh processes) and compares every logged loss, every evaluation and the saved models exactly.
+Runs every strategy on digits with each checkout's sources (in fresh processes): single, sync (with
+--accumulate 2, and over gloo with Adam), async --staleness 0, local-sgd, diloco, pipeline (1f1b) and hybrid
+2 x 2, and compares every logged loss, every evaluation and the saved models exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ CASES = {
     "sync": dict(strategy="sync", workers=2),
     "sync_accumulate": dict(strategy="sync", workers=2, accumulate=2),
     "sync_gloo_adam": dict(strategy="sync", workers=2, comm="backend", optimizer="adam", lr=0.01),
+    "async_staleness0": dict(strategy="async", workers=2, staleness=0),
+    "local_sgd": dict(strategy="local-sgd", workers=2, sync_every=4),
+    "diloco": dict(strategy="diloco", workers=2, sync_every=4, outer_momentum=0.5),
+    "pipeline_1f1b": dict(strategy="pipeline", stages=2, microbatches=4, schedule="1f1b", split_at="classifier"),
+    "hybrid_2x2": dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2, split_at="classifier"),
 }
 RUN = """
 import sys, polytrain
