@@ -4,6 +4,8 @@ import sys
 import pytest
 import torch
 
+import polytrain.components  # noqa: F401  (every setting registered, as the command line and the API do)
+
 # polytrain's CLI runs in subprocesses in some tests; they must find this checkout's sources
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 

@@ -21,7 +21,7 @@ import importlib as _importlib
 #: command line's start does not import torch and every component first
 _EXPORTS = {
     "fit": "polytrain.api", "strategy": "polytrain.api",
-    "RunConfig": "polytrain.config", "make_config": "polytrain.config",
+    "RunConfig": "polytrain.api", "make_config": "polytrain.api",  # (api registers every component first)
     "build_data": "polytrain.data", "register_dataset": "polytrain.data",
     "DataBundle": "polytrain.data.base", "TensorData": "polytrain.data.base",
     **{name: "polytrain.devices" for name in ("DeviceSpec", "OpDeviceLog", "PlacementPlan", "device", "list_devices",

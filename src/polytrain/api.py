@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+import polytrain.components  # noqa: F401  (every setting, strategy, model and data set registered)
 from polytrain.config import RunConfig, make_config, resolve
 from polytrain.data.base import DataBundle
 from polytrain.distributed.launch import WorkerContext

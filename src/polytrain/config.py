@@ -4,6 +4,10 @@ Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. A c
 flags' names as flat keys (``batch_size = 64`` or ``batch-size = 64``); tables only for the ``*_args``
 keys (``model_args = { hidden = [64, 32] }``). Unknown keys and bad values are errors that name the key
 and what it accepts. ``to_toml`` writes a file that ``--config`` reads back to the same run.
+
+The sections are those registered (:func:`polytrain.options.register_section`) by the components imported so
+far; :mod:`polytrain.components` imports them all, and the command line, the Python API and the workers
+import it. This module imports no component.
 """
 
 from __future__ import annotations
@@ -13,18 +17,6 @@ import json
 import sys
 from typing import Any, Iterable
 
-# each import registers its components' config sections (and the built-in strategies theirs)
-import polytrain.data.config  # noqa: F401
-import polytrain.devices.config  # noqa: F401
-import polytrain.distributed.launch  # noqa: F401
-import polytrain.models.registry  # noqa: F401
-import polytrain.strategies  # noqa: F401
-import polytrain.train.checkpoint  # noqa: F401
-import polytrain.train.config  # noqa: F401
-import polytrain.train.loggers  # noqa: F401
-import polytrain.train.optim  # noqa: F401
-import polytrain.train.restart  # noqa: F401
-import polytrain.train.straggler  # noqa: F401
 from polytrain.errors import ConfigError
 from polytrain.options import OptionInfo, convert, registered_sections, section_options
 
@@ -84,8 +76,23 @@ def section_titles() -> dict[str, str]:
     return {section.name: section.title for section in registered_sections()}
 
 
-_BY_KEY = {info.key: info for info in all_options()}
-assert len(_BY_KEY) == len(all_options()), "config keys must be unique across sections"
+class _Keys(dict):
+    """Every option by its key, over the sections registered so far (read again when more are registered)."""
+
+    def refresh(self) -> "_Keys":
+        options = all_options()
+        if len(options) != len(self):
+            self.clear()
+            self.update((info.key, info) for info in options)
+            assert len(self) == len(options), "config keys must be unique across sections"
+        return self
+
+
+_KEYS = _Keys()
+
+
+def _by_key() -> dict[str, OptionInfo]:
+    return _KEYS.refresh()
 
 
 def _normalise_key(key: str) -> str:
@@ -93,8 +100,8 @@ def _normalise_key(key: str) -> str:
 
 
 def _unknown_key(key: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _BY_KEY, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; accepted keys: {', '.join(sorted(_BY_KEY))}"
+    close = difflib.get_close_matches(key, _by_key(), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; accepted keys: {', '.join(sorted(_by_key()))}"
     return ConfigError(f"{source}: unknown key '{key}'{hint}")
 
 
@@ -109,7 +116,7 @@ def read_toml(path: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = _normalise_key(key)
-        if name not in _BY_KEY:
+        if name not in _by_key():
             raise _unknown_key(key, f"config file {path}")
         values[name] = value
     return values
@@ -118,7 +125,7 @@ def read_toml(path: str) -> dict[str, Any]:
 def resolve(file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None,
             *, file_name: str = "config file") -> RunConfig:
     """Merge defaults < file < flags into a checked :class:`RunConfig`."""
-    layers = [(file_values or {}, lambda k: f"{k} in {file_name}"), (flag_values or {}, lambda k: _BY_KEY[k].flag)]
+    layers = [(file_values or {}, lambda k: f"{k} in {file_name}"), (flag_values or {}, lambda k: _by_key()[k].flag)]
     chosen: dict[str, Any] = {}
     for values, source_of in layers:
         typed = _converted(values, source_of)  # a bad value (--epochs 0) is named before any clash of a pair
@@ -132,21 +139,21 @@ def resolve(file_values: dict[str, Any] | None = None, flag_values: dict[str, An
         chosen.update(typed)
     config = RunConfig()
     for key, value in chosen.items():
-        setattr(getattr(config, _BY_KEY[key].section), key, value)
+        setattr(getattr(config, _by_key()[key].section), key, value)
     for group in EXCLUSIVE:  # a default of one member yields to a chosen other member
-        picked = [k for k in group if k in chosen and getattr(getattr(config, _BY_KEY[k].section), k) is not None]
+        picked = [k for k in group if k in chosen and getattr(getattr(config, _by_key()[k].section), k) is not None]
         for other in group:
             if picked and other not in picked:
-                setattr(getattr(config, _BY_KEY[other].section), other, None)
+                setattr(getattr(config, _by_key()[other].section), other, None)
     return config
 
 
 def _converted(values: dict[str, Any], source_of: Any) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
-        if key not in _BY_KEY:
+        if key not in _by_key():
             raise _unknown_key(key, "settings")
-        out[key] = convert(_BY_KEY[key], value, source_of(key))
+        out[key] = convert(_by_key()[key], value, source_of(key))
     return out
 
 

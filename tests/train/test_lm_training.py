@@ -9,7 +9,7 @@ import polytrain
 from polytrain.data import build_data
 from polytrain.data.batches import Shard, eval_batches
 from polytrain.models import build_model
-from polytrain.train.tasks import get_task
+from polytrain.tasks import get_task
 
 MODEL = "transformer_lm:layers=1,dim=32,heads=2"
 DATA = "text:seq_len=32"

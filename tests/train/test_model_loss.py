@@ -127,7 +127,7 @@ def test_a_model_without_its_own_loss_is_one_line(model, strategy, message):
 def test_lm_labels_are_the_inputs_with_padding_ignored():
     """Hugging Face causal LMs shift labels themselves, so they get the inputs; each sequence's last target
     has no label to its right and is the one unit the model's loss leaves out."""
-    from polytrain.train.tasks import get_task
+    from polytrain.tasks import get_task
     task = get_task("lm")
     inputs = torch.tensor([[10, 1, 2, 3], [10, 4, 0, 0]])
     targets = torch.tensor([[1, 2, 3, 10], [4, 10, -100, -100]])

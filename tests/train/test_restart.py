@@ -11,7 +11,7 @@ import torch
 
 import polytrain
 from polytrain.errors import ConfigError, WorkerError
-from polytrain.train.restart import KILL_ENV
+from polytrain.train.faults import KILL_ENV
 
 STEPS = 20
 BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=32, steps=STEPS, progress="off", log_every=2,
@@ -134,7 +134,7 @@ def test_under_torchrun_more_restarts_than_torchrun_has_is_one_line(tmp_path, mo
 
 @pytest.mark.parametrize("spec", ["rank=1", "rank=one,steps=3", "rank=1,steps=3,signal=SIGNOPE"])
 def test_a_malformed_kill_hook_is_one_line(monkeypatch, spec):
-    from polytrain.train.restart import InjectedKill
+    from polytrain.train.faults import InjectedKill
 
     monkeypatch.setenv(KILL_ENV, spec)
     with pytest.raises(ConfigError, match=rf"^{KILL_ENV}='{spec}': expected rank=R,steps=A\+B\+...\[,signal=SIGSTOP\] "
@@ -145,7 +145,7 @@ def test_a_malformed_kill_hook_is_one_line(monkeypatch, spec):
 def test_the_kill_hook_fires_at_its_step_or_once_at_the_first_slice_past_it(monkeypatch, tmp_path):
     """A trainer rank steps 1, 2, 3...; an async helper computes slices of whatever steps it is handed, so its
     kill fires at the first slice of the named step or a later one (SIGCONT: harmless to send to oneself)."""
-    from polytrain.train.restart import KILL_LOG_ENV, InjectedKill
+    from polytrain.train.faults import KILL_LOG_ENV, InjectedKill
 
     log = tmp_path / "kills"
     monkeypatch.setenv(KILL_LOG_ENV, str(log))

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polytrain.train.restart import KILL_ENV, KILL_LOG_ENV
+from polytrain.train.faults import KILL_ENV, KILL_LOG_ENV
 
 DEFAULTS = dict(model="digits_cnn", data="digits", batch_size=128, progress="off", eval_every=0, log_every=10,
                 strategy="sync", workers=4, lr=0.05)

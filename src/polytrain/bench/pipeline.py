@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -206,27 +205,9 @@ def running_order(chosen: list[PipelineCase], repeats: int, every: int) -> list[
     return order
 
 
-def run_suite(cfg: PipelineBenchConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
-    from polytrain.bench.pipeline_report import result_document
-
-    cfg.check()
-    chosen, skipped = cases(cfg)
-    order = running_order(chosen, cfg.repeats, cfg.reference_every)
-    runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="polytrain-bench-pipeline-") as tmp:
-        for i, (repeat, case) in enumerate(order, 1):
-            run = run_case(case, cfg, repeat, Path(tmp))
-            run.position = i
-            runs.append(run)
-            progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {run.examples_per_sec:.1f} examples/s")
-    progress("profiling the automatic split ...")
-    balance = [split_balance(cfg, p) for p in cfg.balance_stages]
-    return result_document(cfg, chosen, skipped, runs, balance)
-
-
 # -- the automatic split's balance ---------------------------------------------------------------------
 
-#: the issue's bar on ``--split-at auto``: slowest / fastest stage, measured
+#: the target for ``--split-at auto``: slowest / fastest stage, measured
 BALANCE_TARGET = 1.25
 
 

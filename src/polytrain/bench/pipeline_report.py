@@ -1,4 +1,5 @@
-"""The pipeline suite's rows, verdicts and outputs: a text table, Markdown and a PNG plot.
+"""The pipeline suite: its runs in order (:func:`run_suite`), then its rows, verdicts and outputs: a text table,
+Markdown and a PNG plot.
 
 Speed-ups are medians over repeats of each pipeline run's rate over that of the ``single`` runs just
 before and after it (``single`` runs every few cases); each stage's busy and idle seconds per step are
@@ -8,13 +9,16 @@ medians over repeats.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
 
-from polytrain.bench.pipeline import PipelineBenchConfig, PipelineCase, Run
+from polytrain.bench.pipeline import (PipelineBenchConfig, PipelineCase, Run, cases, run_case, running_order,
+                                      split_balance)
 from polytrain.bench.report import environment
 from polytrain.strategies.pipeline import plan
 
-#: the issue's bar: at M=8, P=2 the measured speed-up reaches this share of the theoretical one
+#: the target: at M=8, P=2 the measured speed-up reaches this share of the theoretical one
 EFFICIENCY_TARGET = 0.85
 TARGET_MICROBATCHES = 8
 
@@ -209,3 +213,20 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_suite(cfg: PipelineBenchConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Run every case in its interleaved order, then the split's balance; the result document."""
+    cfg.check()
+    chosen, skipped = cases(cfg)
+    order = running_order(chosen, cfg.repeats, cfg.reference_every)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="polytrain-bench-pipeline-") as tmp:
+        for i, (repeat, case) in enumerate(order, 1):
+            run = run_case(case, cfg, repeat, Path(tmp))
+            run.position = i
+            runs.append(run)
+            progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {run.examples_per_sec:.1f} examples/s")
+    progress("profiling the automatic split ...")
+    balance = [split_balance(cfg, p) for p in cfg.balance_stages]
+    return result_document(cfg, chosen, skipped, runs, balance)

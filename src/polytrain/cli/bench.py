@@ -176,8 +176,8 @@ def _run_throughput(cfg, args: argparse.Namespace) -> dict | None:
 
 
 def _run_pipeline(cfg, args: argparse.Namespace) -> dict | None:
-    from polytrain.bench.pipeline import cases, run_suite
-    from polytrain.bench.pipeline_report import PlotUnavailable, format_markdown, format_text, plot
+    from polytrain.bench.pipeline import cases
+    from polytrain.bench.pipeline_report import PlotUnavailable, format_markdown, format_text, plot, run_suite
 
     chosen, skipped = cases(cfg)
     print(f"{cfg.model} on {cfg.data}, global batch {cfg.batch_size}, {cfg.warmup} warm-up + {cfg.steps} timed "

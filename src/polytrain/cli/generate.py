@@ -126,7 +126,7 @@ def _check_next_token_logits(model: Any, spec: str, saved: dict[str, Any]) -> No
 
     from polytrain.errors import ConfigError
     from polytrain.models.sampling import START
-    from polytrain.train.tasks import outputs_of
+    from polytrain.tasks import outputs_of
 
     was_training = model.training
     model.eval()

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Sequence
 
+import polytrain.components  # noqa: F401  (every setting, strategy, model and data set registered)
 from polytrain import __version__
 from polytrain.cli import bench as bench_cmd
 from polytrain.cli import compare as compare_cmd

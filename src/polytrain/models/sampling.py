@@ -7,7 +7,7 @@ from torch import nn
 
 from polytrain.data.tokens import VOCAB_SIZE
 from polytrain.models.lm import model_max_seq_len
-from polytrain.train.tasks import outputs_of
+from polytrain.tasks import outputs_of
 
 START = b"\n"  # an empty prompt starts where a sentence would (sentences:FILE begins each with a newline)
 

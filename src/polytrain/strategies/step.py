@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import Batch
-from polytrain.train.tasks import model_loss_of
+from polytrain.tasks import model_loss_of
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polytrain.options import option, register_section
-from polytrain.train.tasks import LOSSES
+from polytrain.tasks import LOSSES
 
 
 from polytrain.strategies import DEFAULT_STRATEGY

@@ -76,7 +76,7 @@ def parse_schedule(spec: str, base_lr: float, total_steps: int) -> Schedule:
     if parsed.name not in _PARAMS:
         raise ConfigError(f"--lr-schedule: unknown schedule '{parsed.name}'; accepted: {', '.join(KINDS)}")
     if parsed.args:
-        raise ConfigError(f"--lr-schedule: write arguments as key=value, e.g. exponential:rate=0.1,decay_steps=1000")
+        raise ConfigError("--lr-schedule: write arguments as key=value, e.g. exponential:rate=0.1,decay_steps=1000")
     accepted = _PARAMS[parsed.name]
     kwargs = dict(parsed.kwargs)
     warmup = kwargs.pop("warmup", 0)

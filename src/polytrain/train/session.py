@@ -36,7 +36,7 @@ from polytrain.train import reshard
 from polytrain.train.optim import build_optimizer
 from polytrain.train.reshard import DataPosition
 from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
-from polytrain.train.tasks import Task, check_takes_labels, get_task
+from polytrain.tasks import Task, check_takes_labels, get_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
 RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")

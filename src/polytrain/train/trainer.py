@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import polytrain.components  # noqa: F401  (a worker unpickles the config of every registered section)
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import eval_batches
@@ -38,7 +39,7 @@ from polytrain.train.checkpoint import atomic_save
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
-from polytrain.train.restart import InjectedKill, TimedCheckpoints, agree_with_rank0
+from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0
 from polytrain.train.straggler import StragglerInjector
 
 

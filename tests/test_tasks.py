@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from polytrain.errors import ConfigError
-from polytrain.train.tasks import IGNORE_INDEX, get_task, model_loss_of, outputs_of
+from polytrain.tasks import IGNORE_INDEX, get_task, model_loss_of, outputs_of
 
 GEN = torch.Generator().manual_seed(0)
 

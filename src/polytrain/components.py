@@ -1,0 +1,22 @@
+"""The composition: importing this module registers every component polytrain is made of — each config
+section (and so each flag and TOML key), the built-in strategies, models and data sets.
+
+The command line, the Python API (:func:`polytrain.fit`, :func:`polytrain.make_config`) and the trainer in a
+worker import it; the components themselves import only what they use, and :mod:`polytrain.config` imports
+none of them (it merges whatever sections are registered), so no component depends on the whole.
+"""
+
+from __future__ import annotations
+
+import polytrain.data.config  # noqa: F401  (--data, --batch-size, ...)
+import polytrain.data.registry  # noqa: F401  (digits, synthetic, cifar10, text, ...)
+import polytrain.devices.config  # noqa: F401  (--device, --place, ...)
+import polytrain.distributed.launch  # noqa: F401  (--workers, --backend, --timeout, ...)
+import polytrain.models.registry  # noqa: F401  (--model and the reference models)
+import polytrain.strategies  # noqa: F401  (the strategies and their sections)
+import polytrain.train.checkpoint  # noqa: F401  (--checkpoint-dir, ...)
+import polytrain.train.config  # noqa: F401  (--strategy, --steps, ...)
+import polytrain.train.faults  # noqa: F401  (--max-restarts, --checkpoint-every-seconds)
+import polytrain.train.loggers  # noqa: F401  (--log-every, --metrics-file, ...)
+import polytrain.train.optim  # noqa: F401  (--optimizer, --lr, ...)
+import polytrain.train.straggler  # noqa: F401  (--straggler)
