@@ -8,7 +8,7 @@ step time, the first two steps of each block left out as the switch's transition
 
     python benchmarks/balance.py --steps 400 --block 10 --json benchmarks/results/cpu-2core-balance.json
 
-It swaps the trainer's per-step shard function for one that hands out equal slices in every other block,
+It swaps the trainer's per-step slice function for one that hands out equal slices in every other block,
 which reaches into the sync strategy's private state; it is a measurement tool, not an example.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from polytrain.bench.cases import BenchConfig
 from polytrain.config import make_config
-from polytrain.data.batches import Shard
+from polytrain.data.batches import Slice
 from polytrain.distributed.launch import launch
 from polytrain.train.trainer import Trainer
 
@@ -34,16 +34,16 @@ def train_alternating(ctx, steps: int, block: int, metrics: str) -> None:
                       steps=steps, log_every=1, eval_every=0, histogram_every=0, progress="off",
                       metrics_file=metrics)
     trainer = Trainer(cfg, ctx.topology)
-    strategy, balanced = trainer.s.strategy, trainer.s.step_shards
+    strategy, balanced = trainer.s.strategy, trainer.s.step_slices
 
-    def shard_at(step: int) -> Shard:
+    def slice_at(step: int) -> Slice:
         shard = balanced(step)  # always: the step times are shared and the balancer learns every step
         if (step // block) % 2 == 0:
             strategy._slice = bench.worker_batch_size  # what this rank really takes, for the next report
-            return Shard(ctx.rank, ctx.world_size)
+            return Slice(ctx.rank, ctx.world_size)
         return shard
 
-    trainer.s.step_shards = shard_at
+    trainer.s.step_slices = slice_at
     trainer.fit()
 
 

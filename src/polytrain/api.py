@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 import polytrain.components  # noqa: F401  (every setting, strategy, model and data set registered)
 from polytrain.config import RunConfig, make_config, resolve
 from polytrain.data.base import DataBundle
+from polytrain.data.batches import BatchPlan, SlicedBatches
 from polytrain.distributed.launch import WorkerContext
+from polytrain.errors import ConfigError
 from polytrain.strategies import Strategy, get_strategy
+from polytrain.strategies.base import data_slice
 
 
 def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None,
@@ -40,7 +44,7 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     return run(config, model=model_obj, data=data_obj)
 
 
-def strategy(name: str, ctx: WorkerContext, options: Any = None) -> Strategy:
+def strategy(name: str, ctx: WorkerContext, options: Any = None) -> "OwnLoop":
     """A strategy for your own training loop inside a ``launch``-ed function::
 
         def train(ctx):
@@ -51,5 +55,43 @@ def strategy(name: str, ctx: WorkerContext, options: Any = None) -> Strategy:
                 opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
 
         polytrain.launch(train, workers=2)
+
+    The strategy lays out the job as ``ctx.layout`` says, or as its own layout for this many processes.
     """
-    return get_strategy(name)(ctx.topology, options)
+    cls = get_strategy(name)
+    layout = ctx.layout if ctx.layout is not None and ctx.layout.strategy == cls.name else None
+    return OwnLoop(cls(ctx.topology, options, layout))
+
+
+class OwnLoop:
+    """A strategy's parts for a training loop of your own: the model prepared for the exchange, the same
+    slices of each global batch as the trainer draws; anything else is the strategy's own (``.strategy``)."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """``model`` on this process's device, wrapped for the exchange where the strategy needs it (DDP)."""
+        return self.strategy._wrap(model)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module under what :meth:`prepare_model` returned."""
+        return self.strategy._unwrap(model)
+
+    def batches(self, dataset: Any, batch_size: int, *, steps: int | None = None, epochs: int | None = None,
+                seed: int = 0, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This process's part of each global batch of ``batch_size`` examples, on this process's device,
+        the same slices the trainer takes. Stops after ``steps`` optimizer steps or ``epochs`` passes (one
+        epoch if neither is given)."""
+        plan = BatchPlan(len(dataset), batch_size, seed)
+        mine = data_slice(self.strategy)
+        if batch_size % mine.count:
+            raise ConfigError(f"batch size {batch_size} does not divide over {mine.count} workers")
+        total = steps if steps is not None else (epochs or 1) * plan.steps_per_epoch
+        for batch in SlicedBatches(dataset, plan, mine, self.strategy.topology.device, start_step):
+            if batch.step >= total:
+                return
+            yield batch.inputs, batch.targets
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.strategy, name)

@@ -31,12 +31,20 @@ def option(
     short: str | None = None,
     flag: str | None = None,
     finite: bool = True,
+    strategies: Sequence[str] | None = None,
+    elsewhere: str | None = None,
 ) -> Any:
     """A config field with its CLI help. ``check(value)`` raises ValueError with a message on bad values.
-    A float must be finite unless ``finite=False``: nan passes every ``minimum`` comparison."""
+    A float must be finite unless ``finite=False``: nan passes every ``minimum`` comparison.
+
+    In a strategy's section, ``strategies`` narrows who reads the field (default: every strategy of that
+    section), and ``elsewhere`` is what a strategy of the section that does not read it is told, a template
+    with ``{flags}`` (its flags), ``{given}`` (with their values), ``{verb}`` (sets/set), ``{strategy}`` and
+    ``{them}`` (it/them) (:mod:`polytrain.strategies.settings`)."""
     meta = {
         "help": help, "choices": tuple(choices) if choices else None, "minimum": minimum,
         "metavar": metavar, "repeat": repeat, "check": check, "short": short, "flag": flag, "finite": finite,
+        "strategies": tuple(strategies) if strategies else None, "elsewhere": elsewhere,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

@@ -84,9 +84,9 @@ def test_bad_settings_are_one_line_before_any_worker_starts(cli_env, args, messa
 def test_tolerate_worker_loss_under_torchrun_is_one_line_before_joining_its_group(cli_env):
     """A torchrun worker's environment, without MASTER_PORT: had it tried to join the group, it would fail
     otherwise (or wait for peers that never come)."""
-    env = dict(cli_env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    proc = polytrain("--strategy", "async", "--workers", "1", "--tolerate-worker-loss", "--steps", "1", env=env,
-                     timeout=120)
+    # a world of 3: the layout that fills it has 2 workers (worker 1 a helper the job may lose) and 1 server
+    env = dict(cli_env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    proc = polytrain("--strategy", "async", "--tolerate-worker-loss", "--steps", "1", env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == [lines[0]] and "--tolerate-worker-loss needs polytrain's own launcher: torchrun's agent stops " \

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from polytrain.data.batches import BatchPlan, Shard, ShardedBatches
+from polytrain.data.batches import BatchPlan, Slice, SlicedBatches
 from polytrain.data.buckets import BucketedBatchPlan, batch_plan
 from polytrain.data.sentences import Sentences
 from polytrain.data.text import TokenWindows
@@ -36,10 +36,10 @@ def test_resumed_sharded_batches_equal_the_uninterrupted_ones():
     plan = batch_plan(DATA, 8, seed=2, bucket_window=3)
 
     def take(shard, start, count):
-        it = iter(ShardedBatches(DATA, plan, shard, torch.device("cpu"), start_step=start))
+        it = iter(SlicedBatches(DATA, plan, shard, torch.device("cpu"), start_step=start))
         return [next(it) for _ in range(count)]
 
-    for shard in (Shard(0, 2), Shard(1, 2)):
+    for shard in (Slice(0, 2), Slice(1, 2)):
         whole, resumed = take(shard, 0, 30), take(shard, 23, 7)
         assert all(torch.equal(w.targets, r.targets) for w, r in zip(whole[23:], resumed))
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from polytrain.data import build_data, check_data
-from polytrain.data.batches import BatchPlan, Shard, ShardedBatches
+from polytrain.data.batches import BatchPlan, Slice, SlicedBatches
 from polytrain.data.sentences import Sentences
 from polytrain.data.tokens import IGNORE_INDEX, INPUT_PAD
 from polytrain.errors import DataError
@@ -56,10 +56,10 @@ def test_shards_of_a_global_batch_hold_uneven_tokens_and_add_up(corpus):
     data = build_data(f"sentences:{corpus}").train
     plan = BatchPlan(len(data), 8, seed=3)
     whole = plan.global_indices(5)
-    slices = [Shard(i, 2).take(whole) for i in range(2)]
+    slices = [Slice(i, 2).take(whole) for i in range(2)]
     units = [data.count_units(s) for s in slices]
     assert sum(units) == data.count_units(whole)
-    per_worker = [next(iter(ShardedBatches(data, plan, Shard(i, 2), torch.device("cpu"), start_step=5)))
+    per_worker = [next(iter(SlicedBatches(data, plan, Slice(i, 2), torch.device("cpu"), start_step=5)))
                   for i in range(2)]
     assert [int((y != IGNORE_INDEX).sum()) for _, _, y in per_worker] == units
 
@@ -69,7 +69,7 @@ def test_resumed_batches_equal_the_uninterrupted_ones(corpus):
     plan = BatchPlan(len(data), 4, seed=7)
 
     def take(start, count):
-        it = iter(ShardedBatches(data, plan, Shard(), torch.device("cpu"), start_step=start))
+        it = iter(SlicedBatches(data, plan, Slice(), torch.device("cpu"), start_step=start))
         return [next(it) for _ in range(count)]
 
     whole = take(0, 12)  # 5 steps per epoch: crosses two epoch boundaries

@@ -37,7 +37,7 @@ def _train(tmp_path, name: str, **settings):
     trainer = Trainer(make_config(**dict(BASE, metrics_file=str(metrics), **settings)))
     trainer.fit()
     losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "step"]
-    return trainer.s.model, losses
+    return trainer.session.model, losses
 
 
 def test_a_split_model_trains_exactly_as_the_unsplit_one(tmp_path):

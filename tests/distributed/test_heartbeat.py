@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import polytrain
 from polytrain.distributed.heartbeat import Heartbeat
-from polytrain.distributed.launch import _start_context
+from polytrain.distributed.processes import start_context as _start_context
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
 from polytrain.errors import PeerLostError, WorkerError

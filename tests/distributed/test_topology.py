@@ -41,9 +41,10 @@ def test_dp_by_pp_gives_each_rank_its_coordinates_and_a_group_per_axis():
 
 def _default_layout(ctx):
     from polytrain.strategies import get_strategy
+    from polytrain.strategies.base import data_slice
 
     sync = get_strategy("sync")(ctx.topology)
-    return sync.data_shard(), sync.topology.axis_size("pp"), sync.topology.axis_group("dp") is ctx.topology.group
+    return data_slice(sync), sync.topology.axis_size("pp"), sync.topology.axis_group("dp") is ctx.topology.group
 
 
 def test_sync_takes_its_slices_from_the_dp_axis_of_the_whole_world():

@@ -14,7 +14,7 @@ def resume_and_read_back(ctx: Any, config: Any) -> tuple[dict[str, Any] | None, 
     """Run ``config`` (with ``resume``) in this worker: (the checkpoint contents the strategy and session
     give at the resume point, before any step, on the trainers' rank 0, else None; the run's summary)."""
     trainer = Trainer(config, ctx.topology)
-    held = trainer.s.state_dict(trainer.s.start_step) if trainer.strategy.role == "trainer" else None
+    held = trainer.session.state_dict(trainer.session.start_step) if trainer.strategy.own_loop is None else None
     held = copy.deepcopy(held)  # state dicts share the live tensors, which the run then changes
     return held, trainer.fit()
 

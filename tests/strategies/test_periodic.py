@@ -23,7 +23,7 @@ def _bundle() -> DataBundle:
 
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.strategy.unwrap().state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.strategy.module.state_dict().items()}
 
 
 def _relative_error(a: dict, b: dict) -> float:
@@ -92,7 +92,8 @@ def _resume_runs(ctx, bundle, ckpt):
     mid = Trainer(make_config(**dict(common, steps=6)), ctx.topology, data=bundle)
     mid.fit()
     own = _params(mid)
-    saved = mid.strategy.model_state_dict()  # a collective, like every call the trainer makes
+    # a collective, like every call the trainer makes
+    saved = (mid.strategy.state_dict(optimizer=False) or {}).get("model")
     replicas = ctx.topology.all_gather_object(own)
     return _params(whole), _params(resumed), own, _params(mid), saved, replicas
 

@@ -67,15 +67,16 @@ def test_the_chart_names_each_rank_and_both_bubbles():
 
 
 def test_polytrain_plan_prints_without_starting_anything(cli_env):
-    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--stages", "4", "--microbatches", "8",
-                          "--schedule", "interleaved-1f1b", "--json"], env=cli_env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--stages", "4",
+                          "--microbatches", "8", "--schedule", "interleaved-1f1b", "--json"], env=cli_env,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    data = json.loads(out.stdout)["pipeline"]
     assert data["bubble_simulated"] == data["bubble_theoretical"] == pytest.approx(3 / 19)
     assert data["actions"][0][:2] == ["F0s0", "F1s0"]
-    bad = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--stages", "4", "--microbatches", "2",
-                          "--schedule", "1f1b"], env=cli_env, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--stages", "4",
+                          "--microbatches", "2", "--schedule", "1f1b"], env=cli_env, capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "1f1b needs --microbatches >= --stages" in bad.stderr
 
@@ -135,8 +136,8 @@ def test_one_stage_and_no_microbatch_are_one_line(capsys):
 
     with pytest.raises(ConfigError, match="^--stages 1: a pipeline needs at least 2 stages$"):
         plan.check_schedule("gpipe", 1, 2)
-    assert main(["plan", "--stages", "2", "--microbatches", "0"]) == 2
-    assert capsys.readouterr().err == "polytrain: error: --microbatches must be >= 1, got 0\n"
+    assert main(["plan", "--strategy", "pipeline", "--stages", "2", "--microbatches", "0"]) == 2
+    assert capsys.readouterr().err == "polytrain: error: --microbatches: must be >= 1, got 0\n"
 
 
 def test_a_measured_split_is_printed_and_leaves_the_model_as_it_was():

@@ -1,17 +1,17 @@
 """The Strategy protocol carries a parameter server and a pipeline: two strategies written here alone, with
 plain torch.distributed send/recv, train through ``polytrain.fit`` with no change to the trainer.
 
-``ServerAveraging``: ``--workers 2`` gives 2 trainer ranks and 1 server rank; the trainers push their
-gradients, the server averages them, updates its parameters and sends them back. ``TwoStages``: ``--workers
-1`` gives a pipeline of 2 processes, the model's first half on rank 0 and its second half (and the loss)
-on rank 1, on the ``pp`` axis. Both end equal to ``single`` on the same global batches.
+``ServerAveraging``: ``--workers 2`` gives 2 trainer ranks and 1 server rank (its layout says so); the
+trainers push their gradients, the server (a rank with a loop of its own) averages them, updates its
+parameters and sends them back. ``TwoStages``: ``--workers 1`` gives a pipeline of 2 processes, the model's
+first half on rank 0 and its second half (and the loss) on rank 1, on the ``pp`` axis. Both end equal to
+``single`` on the same global batches.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -21,7 +21,7 @@ from torch import nn
 
 import polytrain
 from polytrain.data.base import DataBundle, TensorData
-from polytrain.distributed.topology import Topology
+from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy
 from polytrain.strategies.step import StepResult, forward_backward
 
@@ -38,38 +38,22 @@ def _wait(work) -> None:
 
 class ServerAveraging(Strategy):
     name = "test-server-averaging"
-    multiprocess = True
 
     @classmethod
-    def processes(cls, workers, options=None):
-        return workers + 1  # the last rank is the server
+    def layout(cls, workers, options=None):  # the trainers, then one server rank
+        n = workers or 2
+        return Layout(cls.name, ("trainer",) * n + ("server",), (("dp", n),), n)
 
-    @classmethod
-    def data_slices(cls, workers, options=None):
-        return workers
+    def prepare(self, model, make_optimizer, recipe=None, place=None):
+        self.server = self.layout.processes - 1
+        if self.layout.role(self.topology.rank) == "server":
+            self.own_loop = self  # this rank runs run() below instead of the trainer's loop
+        return super().prepare(model, make_optimizer, recipe, place)
 
-    def arrange(self, topology: Topology) -> Topology:
-        self.server = topology.world_size - 1
-        # every rank takes part in creating the trainers' group (new_group is collective over the world)
-        group = dist.new_group(list(range(self.server)), timeout=_TIMEOUT)
-        if topology.rank < self.server:
-            self._trainers = replace(topology, world_size=self.server, group=group)
-        else:  # the server is no trainer; it builds the same session (data slice 0) and never reduces metrics
-            self._trainers = replace(topology, rank=0, world_size=self.server, group=None)
-        return topology
-
-    @property
-    def role(self) -> str:
-        return "server" if self.topology.rank == self.server else "trainer"
-
-    @property
-    def trainers(self) -> Topology:
-        return self._trainers
-
-    def train_step(self, batch):
+    def train_step(self, batch, lr):
+        self._set_lr(lr)  # (the server's optimizer steps at its own lr)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, batch, self.recipe.task, self.server, 1,
-                                self.grad_sync, self.backward)
+        loss = forward_backward(self.model, batch, self.recipe.task, self.server, 1, self._grad_sync, self._backward)
         params = list(self.model.parameters())
         _wait(dist.isend(torch.ones(1), self.server))  # 1: gradients follow
         _wait(dist.isend(_flat(p.grad for p in params), self.server))
@@ -81,7 +65,7 @@ class ServerAveraging(Strategy):
     def finish(self) -> None:
         _wait(dist.isend(torch.zeros(1), self.server))  # 0: this trainer is done
 
-    def serve(self):
+    def run(self, source):
         params = list(self.model.parameters())
         updates, running = 0, list(range(self.server))
         while running:
@@ -108,29 +92,22 @@ class ServerAveraging(Strategy):
 
 class TwoStages(Strategy):
     name = "test-two-stages"
-    multiprocess = True
 
     @classmethod
-    def processes(cls, workers, options=None):
-        return 2 * workers
-
-    @classmethod
-    def data_slices(cls, workers, options=None):
-        return workers
-
-    def arrange(self, topology: Topology) -> Topology:
-        return topology.arranged(dp=topology.world_size // 2, pp=2)
+    def layout(cls, workers, options=None):  # D replicas of a pipeline of 2 stages
+        dp = workers or 1
+        return Layout(cls.name, ("trainer",) * (2 * dp), (("dp", dp), ("pp", 2)), dp)
 
     @property
     def stage(self) -> int:
         return self.topology.axis_rank("pp")
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         self.whole = model
         halves = (model[:2], model[2:])  # both ranks built the same model from the same seed
         return halves[self.stage].to(self.topology.device)
 
-    def unwrap(self, model=None):
+    def _unwrap(self, model):
         return self.whole
 
     def _peer(self) -> int:
@@ -150,7 +127,8 @@ class TwoStages(Strategy):
         hidden.requires_grad_(self.model.training)
         return hidden, self.model(hidden)
 
-    def train_step(self, batch):
+    def train_step(self, batch, lr):
+        self._set_lr(lr)
         self.optimizer.zero_grad(set_to_none=True)
         loss = None
         if self.stage == 0:
@@ -175,15 +153,11 @@ class TwoStages(Strategy):
         _, outputs = self._forward(None)
         return torch.stack([v.double() for v in self.recipe.task.score(outputs, targets)])
 
-    def model_state_dict(self):
+    def state_dict(self, optimizer=True):
         parts = self.trainers.all_gather_object({k: v.detach() for k, v in self.whole.state_dict().items()})
         whole = {**parts[0]}
         whole.update({k: v for k, v in parts[1].items() if k.startswith("2.")})  # stage 1's layer
-        return whole if self.trainers.is_main else None
-
-    def state_dict(self):
-        model = self.model_state_dict()
-        return None if model is None else {"model": model, "optimizer": self.optimizer.state_dict()}
+        return {"model": whole, "optimizer": self.optimizer.state_dict()} if self.trainers.is_main else None
 
 
 def _data() -> DataBundle:
@@ -219,11 +193,29 @@ def test_a_strategy_written_in_a_test_trains_through_fit_like_single(tmp_path, s
     assert summary["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
 
 
-def test_the_trainer_never_asks_which_strategy_it_has():
+def test_the_trainer_never_asks_which_strategy_it_has_nor_what_a_rank_is_for():
     train = os.path.join(os.path.dirname(polytrain.__file__), "train")
     names = [f'"{name}"' for name in polytrain.available_strategies()] + ["SyncDataParallel", "SingleDevice"]
     for file in sorted(os.listdir(train)):
         if file.endswith(".py"):
             text = open(os.path.join(train, file)).read()
             found = [name for name in names if name in text] + re.findall(r"isinstance\([^)]*Strategy", text)
+            found += re.findall(r"\broles?\b", text)
             assert not found, f"train/{file} mentions {found}"
+
+
+#: what every strategy has; what only some do are capabilities (own_loop, out_of_order, rebalancing)
+PROTOCOL = {"layout", "check", "prepare", "train_step", "eval_step", "state_dict", "load_state_dict", "finish",
+            "describe", "take_metrics", "summary_metrics", "module"}
+
+
+def test_the_strategy_protocol_is_a_dozen_members():
+    public = {name for name, value in vars(Strategy).items() if not name.startswith("_")
+              and (callable(value) or isinstance(value, (property, classmethod, staticmethod)))}
+    assert public == PROTOCOL
+    for name in polytrain.available_strategies():  # no strategy adds a public member of its own
+        cls = polytrain.get_strategy(name)
+        extra = {n for klass in cls.__mro__[:-1] if klass is not Strategy and issubclass(klass, Strategy)
+                 for n, v in vars(klass).items() if not n.startswith("_")
+                 and (callable(v) or isinstance(v, (property, classmethod, staticmethod)))}
+        assert extra <= PROTOCOL, f"{name} adds {sorted(extra - PROTOCOL)}"

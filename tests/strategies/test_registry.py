@@ -47,7 +47,9 @@ def test_batches_that_do_not_cut_evenly_are_one_line():
     with pytest.raises(ConfigError, match=r"^each worker's batch \(5\) must be divisible by --accumulate \(3\)$"):
         check(make_config(strategy="sync", workers=2, data="digits", batch_size=10, accumulate=3))
     # an own loop's batches: rank 0 of 2 (the check comes before any collective)
-    sync = get_strategy("sync")(Topology(rank=0, world_size=2), None)
+    from polytrain.api import OwnLoop
+
+    sync = OwnLoop(get_strategy("sync")(Topology(rank=0, world_size=2), None))
     data = TensorDataset(torch.zeros(10, 2), torch.zeros(10))
     with pytest.raises(ConfigError, match="^batch size 5 does not divide over 2 workers$"):
         next(iter(sync.batches(data, batch_size=5)))

@@ -42,7 +42,7 @@ def _config(strategy: str, model: str, optimizer: str, accumulate: int, **extra)
 
 
 def _final_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    model = trainer.s.strategy.unwrap(trainer.s.model)
+    model = trainer.session.strategy.module
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -52,7 +52,7 @@ def _train_all_cases(ctx, bundle, comm):
         trainer = Trainer(_config("sync", *case, comm=comm), ctx.topology, data=bundle)
         trainer.fit()
         out.append(_final_params(trainer))
-    return out, trainer.s.strategy.describe()
+    return out, trainer.session.strategy.describe()
 
 
 def _relative_error(a: dict, b: dict) -> float:
@@ -97,7 +97,7 @@ def _without_dev_shm(ctx, bundle, comm):
 
     shm.SHM_DIR = "/nonexistent-shm"  # as on a machine without /dev/shm
     trainer = Trainer(_config("sync", "mlp", "sgd", 1, comm=comm), ctx.topology, data=bundle)
-    return trainer.s.strategy.describe()
+    return trainer.session.strategy.describe()
 
 
 def test_without_shared_memory_auto_uses_the_backend_and_says_why_and_shm_refuses(reference):
@@ -114,7 +114,7 @@ def _bucket_sizes(ctx, bundle, bucket_mb):
     extra = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     trainer = Trainer(_config("sync", "cifar_cnn", "sgd", 1, **extra), ctx.topology, data=bundle)
     trainer.fit()  # DDP settles its buckets in the order gradients became ready, after the first step
-    sizes = trainer.s.model._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    sizes = trainer.session.model._get_ddp_logging_data()["rebuilt_bucket_sizes"]
     return [int(size) for size in sizes.split(",")]
 
 

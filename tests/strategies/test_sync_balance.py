@@ -46,7 +46,7 @@ def _train(ctx, bundle, comm, optimizer, accumulate, metrics):
     trainer = Trainer(_config("sync", comm, optimizer, accumulate, metrics, balance="on"), ctx.topology,
                       model=SlowOnRankOne(), data=bundle)
     trainer.fit()
-    return _final_params(trainer), trainer.s.strategy.describe()
+    return _final_params(trainer), trainer.session.strategy.describe()
 
 
 @pytest.mark.parametrize("comm, optimizer, accumulate", [("shm", "sgd", 1), ("backend", "adam", 2)])
@@ -69,7 +69,7 @@ def test_a_slow_rank_gets_fewer_examples_and_the_result_equals_single(tmp_path, 
 
 
 def _describe(ctx, bundle, settings):
-    return Trainer(_config("sync", "auto", "sgd", 1, **settings), ctx.topology, data=bundle).s.strategy.describe()
+    return Trainer(_config("sync", "auto", "sgd", 1, **settings), ctx.topology, data=bundle).session.strategy.describe()
 
 
 def test_when_balancing_is_off_and_why():

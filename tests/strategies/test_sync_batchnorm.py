@@ -30,7 +30,7 @@ def _config(strategy, sync_batchnorm):
 
 
 def _state(trainer):
-    return {k: v.detach().clone() for k, v in trainer.s.strategy.unwrap(trainer.s.model).state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.session.strategy.module.state_dict().items()}
 
 
 def _train(ctx, sync_batchnorm, bundle):

@@ -32,7 +32,7 @@ def _runs(ctx, bundle):
         config = make_config(strategy="sync", comm=comm, model="mlp:hidden=8", **COMMON)
         trainer = Trainer(config, ctx.topology, model=model, data=bundle)
         summary = trainer.fit()
-        unwrapped = trainer.strategy.unwrap()
+        unwrapped = trainer.strategy.module
         out[name] = (summary, sum(p.numel() * 4 for p in unwrapped.parameters()),
                      sum(b.numel() * b.element_size() for b in unwrapped.buffers()))
     return out

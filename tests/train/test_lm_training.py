@@ -7,7 +7,7 @@ import torch
 
 import polytrain
 from polytrain.data import build_data
-from polytrain.data.batches import Shard, eval_batches
+from polytrain.data.batches import Slice, eval_batches
 from polytrain.models import build_model
 from polytrain.tasks import get_task
 
@@ -45,7 +45,7 @@ def _token_mean_loss(state):
     model.eval()
     task, sums = get_task("lm"), torch.zeros(3, dtype=torch.float64)
     with torch.no_grad():
-        for x, y in eval_batches(bundle.test, 256, Shard(), torch.device("cpu")):
+        for x, y in eval_batches(bundle.test, 256, Slice(), torch.device("cpu")):
             sums += torch.stack([v.double() for v in task.score(model(x), y)])
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
 

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from polytrain.data.batches import BatchPlan, Shard
+from polytrain.data.batches import BatchPlan, Slice
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.distributed.rendezvous import loopback_interface
@@ -88,7 +88,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     global_batch = args.worker_batch_size * args.workers
-    plan, shard = BatchPlan(len(data.train), global_batch, args.seed), Shard(rank, args.workers)
+    plan, shard = BatchPlan(len(data.train), global_batch, args.seed), Slice(rank, args.workers)
     total = args.warmup + args.steps
     started = 0.0
     for step in range(total):

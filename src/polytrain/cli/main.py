@@ -16,7 +16,7 @@ from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
 from polytrain.cli import train as train_cmd
-from polytrain.distributed.launch import stop_helper_processes
+from polytrain.distributed.processes import stop_helper_processes
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped
 from polytrain.strategies import available_strategies

@@ -1,8 +1,11 @@
-"""``polytrain plan``: a pipeline schedule as data, printed without starting any process.
+"""``polytrain plan``: what a run would be laid out as, printed without starting any process.
 
-Per rank, the ordered actions of one optimizer step (F forward, B backward, I/W its input and weight
-halves in the zero-bubble schedules), laid out in time by a replay with unit costs, and the bubble: the
-simulated one and the theoretical (P-1)/(vM+P-1).
+The layout of any strategy for the settings given (the same flags and ``--config`` files as ``polytrain
+train``): its processes, each rank's role and name, the mesh axes of the trainer ranks and each one's
+coordinates, the ranks the job may lose, the slices of a global batch. For ``pipeline`` and ``hybrid`` also
+the schedule: per rank, the ordered actions of one optimizer step (F forward, B backward, I/W its input and
+weight halves in the zero-bubble schedules), laid out in time by a replay with unit costs, and the bubble:
+the simulated one and the theoretical (P-1)/(vM+P-1).
 """
 
 from __future__ import annotations
@@ -11,39 +14,68 @@ import argparse
 import json
 from typing import Any
 
+DESCRIPTION = """\
+Print how a run would be laid out -- processes, roles, mesh axes, slices of each global batch -- and, for
+pipeline and hybrid, each rank's schedule with its bubble, without starting any process. Takes the same
+settings as 'polytrain train' (flags or --config FILE.toml)."""
+
+EXAMPLES = """\
+examples:
+  polytrain plan --strategy async --workers 3 --servers 2
+  polytrain plan --strategy hybrid --dp 2 --pp 2
+  polytrain plan --strategy pipeline --stages 4 --microbatches 8 --schedule interleaved-1f1b --json
+"""
+
 
 def add_parser(sub: Any) -> None:
-    from polytrain.strategies.pipeline.plan import SCHEDULES
+    from polytrain.cli.train import add_settings
 
-    parser = sub.add_parser("plan", help="print a pipeline schedule as a time x stage chart (starts nothing)",
-                            description="Print the per-rank actions of a pipeline schedule as a time x rank "
-                                        "chart with its bubble fraction, without starting any process.")
-    parser.add_argument("--strategy", default="pipeline", choices=("pipeline", "hybrid"),
-                        help="the strategy whose schedule to print (hybrid: each replica's pipeline)")
-    parser.add_argument("--stages", "--pp", dest="stages", type=int, default=2, metavar="P",
-                        help="pipeline stages (processes per pipeline)")
-    parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="micro-batches per step")
-    parser.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES), help="the schedule")
-    parser.add_argument("--json", action="store_true", help="print the action lists and bubbles as JSON")
+    parser = sub.add_parser("plan", help="print a run's layout (and a pipeline's schedule); starts nothing",
+                            description=DESCRIPTION, epilog=EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            argument_default=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print the layout (and schedule) as JSON")
+    add_settings(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from polytrain.errors import ConfigError
+    from polytrain.cli.train import config_from
+    from polytrain.strategies import get_strategy
+    from polytrain.strategies.base import registered
+    from polytrain.strategies.settings import check_settings_read
+    from polytrain.train.run import layout_of
+
+    config = config_from(args)
+    layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
+    check_settings_read(config, get_strategy(config.train.strategy), registered())
+    schedule = _schedule(config, layout)
+    if getattr(args, "json", False):
+        print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {})}, indent=2))
+        return 0
+    print(layout.describe())
+    if schedule:
+        from polytrain.strategies.pipeline import plan
+
+        print()
+        print(plan.chart(schedule["schedule"], schedule["ranks"], schedule["microbatches"]))
+    return 0
+
+
+def _schedule(config: Any, layout: Any) -> dict[str, Any] | None:
+    """Each pipeline's schedule as data, where the layout has a ``pp`` axis."""
+    if layout.axis("pp") == 1:
+        return None
     from polytrain.strategies.pipeline import plan
 
-    if args.microbatches < 1:
-        raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
-    if not args.json:
-        print(plan.chart(args.schedule, args.stages, args.microbatches))
-        return 0
-    info = plan.schedule_info(args.schedule)
-    timeline = plan.simulate(args.schedule, args.stages, args.microbatches)
-    print(json.dumps({
-        "schedule": args.schedule, "ranks": args.stages, "microbatches": args.microbatches,
-        "stages_per_rank": info.chunks,
-        "actions": [[str(a) for a in rank] for rank in plan.actions(args.schedule, args.stages, args.microbatches)],
+    opts = config.pipeline
+    ranks, microbatches = layout.axis("pp"), opts.microbatches
+    plan.check_schedule(opts.schedule, ranks, microbatches)
+    info = plan.schedule_info(opts.schedule)
+    timeline = plan.simulate(opts.schedule, ranks, microbatches)
+    return {
+        "schedule": opts.schedule, "ranks": ranks, "microbatches": microbatches, "stages_per_rank": info.chunks,
+        "actions": [[str(a) for a in rank] for rank in plan.actions(opts.schedule, ranks, microbatches)],
         "bubble_simulated": float(timeline.bubble),
-        "bubble_theoretical": float(plan.theoretical_bubble(args.stages, args.microbatches, info.chunks)),
-    }, indent=2))
-    return 0
+        "bubble_theoretical": float(plan.theoretical_bubble(ranks, microbatches, info.chunks)),
+    }

@@ -26,14 +26,27 @@ def add_parser(sub: Any) -> None:
     parser = sub.add_parser("train", help="train a model", description=DESCRIPTION, epilog=EXAMPLES,
                             formatter_class=argparse.RawDescriptionHelpFormatter,
                             argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved settings as TOML (a valid --config file) and exit")
+    add_settings(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE.toml`` and every setting's flag, grouped by section (``train`` and ``plan`` share them)."""
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
     for section, infos in options_by_section():
         group = parser.add_argument_group(section_titles()[section])
         for info in infos:
             group.add_argument(info.flag, dest=info.key, **_argument_kwargs(info))
-    parser.set_defaults(handler=run)
+
+
+def config_from(args: argparse.Namespace) -> Any:
+    """The resolved config of the parsed settings: defaults < ``--config`` file < flags."""
+    given = vars(args)
+    file_values = read_toml(given["config"]) if "config" in given else {}
+    flags = {info.key: given[info.key] for info in all_options() if info.key in given}
+    return resolve(file_values, flags, file_name=given.get("config", "config file"))
 
 
 def _argument_kwargs(info: Any) -> dict[str, Any]:
@@ -52,11 +65,8 @@ def _argument_kwargs(info: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from polytrain.train.restart import run as run_training  # restarted after a failure (--max-restarts)
 
-    given = vars(args)
-    file_values = read_toml(given["config"]) if "config" in given else {}
-    flags = {info.key: given[info.key] for info in all_options() if info.key in given}
-    config = resolve(file_values, flags, file_name=given.get("config", "config file"))
-    if given.get("print_config"):
+    config = config_from(args)
+    if vars(args).get("print_config"):
         print(to_toml(config), end="")
         return 0
     summary = run_training(config)

@@ -109,9 +109,10 @@ class CompareConfig:
         goes to that strategy's cases only, where a run would refuse it."""
         from polytrain.config import all_options
         from polytrain.strategies import get_strategy
-        from polytrain.strategies.base import strategy_sections
+        from polytrain.strategies.base import registered
+        from polytrain.strategies.settings import readers
 
         own = get_strategy(strategy).config_section
         section = {info.key: info.section for info in all_options()}
-        others = set(strategy_sections()) - {own}
+        others = set(readers(registered())) - {own}
         return {key: value for key, value in self.extra.items() if section.get(key.replace("-", "_")) not in others}

@@ -2,7 +2,7 @@
 
 A :class:`BatchPlan` fixes, for every (epoch, batch), which examples form the *global* batch: a seeded
 permutation per epoch, cut into ``global_batch`` pieces (the ragged tail is dropped so every step sees the
-same number of examples). A :class:`Shard` then takes worker ``index``'s contiguous slice. The union of all
+same number of examples). A :class:`Slice` then takes worker ``index``'s contiguous slice. The union of all
 slices is exactly the global batch, each example once per epoch, so N workers on slices compute the same
 averaged gradient as one device on the whole batch. Both are plain data: printable and testable alone.
 
@@ -148,7 +148,7 @@ def _epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool) -> tor
 
 
 @dataclass(frozen=True)
-class Shard:
+class Slice:
     """Worker ``index`` of ``count`` data-parallel workers takes the index-th slice of a batch: an equal one,
     or ``sizes[index]`` examples after the slices of the workers before it (a balanced, uneven split)."""
 
@@ -158,7 +158,7 @@ class Shard:
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
-            raise ValueError(f"shard index {self.index} is outside 0..{self.count - 1}")
+            raise ValueError(f"slice index {self.index} is outside 0..{self.count - 1}")
         if self.sizes is not None and (len(self.sizes) != self.count or min(self.sizes) < 1):
             raise ValueError(f"slice sizes {self.sizes} must be {self.count} numbers >= 1")
 
@@ -180,16 +180,16 @@ class Shard:
 
 
 class _StepSampler(Sampler[list[int]]):
-    """Yields this shard's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path), and
+    """Yields this slice's index lists for steps ``start .. stop-1`` of one epoch (DataLoader path), and
     queues each in ``drawn``: the loader runs the sampler ahead of the batches it returns, in order."""
 
-    def __init__(self, plan: BatchPlan, shard_at: Callable[[int], Shard], start: int, stop: int):
-        self.plan, self.shard_at, self.start, self.stop = plan, shard_at, start, stop
+    def __init__(self, plan: BatchPlan, slice_at: Callable[[int], Slice], start: int, stop: int):
+        self.plan, self.slice_at, self.start, self.stop = plan, slice_at, start, stop
         self.drawn: collections.deque[list[int]] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.stop):
-            indices = self.shard_at(step).take(self.plan.global_indices(step)).tolist()
+            indices = self.slice_at(step).take(self.plan.global_indices(step)).tolist()
             self.drawn.append(indices)
             yield indices
 
@@ -197,21 +197,21 @@ class _StepSampler(Sampler[list[int]]):
         return self.stop - self.start
 
 
-class ShardedBatches:
+class SlicedBatches:
     """This worker's batches for global steps ``start_step ..``, as :class:`Batch` objects on ``device``
     (they unpack as ``(step, x, y)``).
 
     In-memory datasets with ``get_batch`` are indexed in one op; other map-style datasets go through a
-    ``DataLoader`` (``num_workers`` loader processes) fed by the same plan. ``shard`` is this worker's
-    shard, or a function giving it for each step (a balanced split that changes as the run goes); such a
+    ``DataLoader`` (``num_workers`` loader processes) fed by the same plan. ``slice`` is this worker's
+    slice, or a function giving it for each step (a balanced split that changes as the run goes); such a
     function is called when that step's batch is drawn, which loader processes would do steps ahead.
     """
 
-    def __init__(self, dataset: Dataset, plan: BatchPlan, shard: Shard | Callable[[int], Shard],
+    def __init__(self, dataset: Dataset, plan: BatchPlan, slice: Slice | Callable[[int], Slice],
                  device: torch.device, start_step: int = 0, num_workers: int = 0):
-        if callable(shard) and num_workers:
-            raise ValueError("a per-step shard needs batches drawn in this process (num_workers=0)")
-        self.shard_at = shard if callable(shard) else (lambda step: shard)
+        if callable(slice) and num_workers:
+            raise ValueError("a per-step slice needs batches drawn in this process (num_workers=0)")
+        self.slice_at = slice if callable(slice) else (lambda step: slice)
         self.dataset, self.plan, self.device = dataset, plan, device
         self.start_step, self.num_workers = start_step, num_workers
 
@@ -231,7 +231,7 @@ class ShardedBatches:
         """This worker's batch of any global ``step``, drawn in this process (for a strategy whose workers
         take steps out of order: a slice of an earlier step handed back by a lost worker)."""
         everyone = self.plan.global_indices(step)
-        mine = self.shard_at(step).take(everyone)
+        mine = self.slice_at(step).take(everyone)
         if hasattr(self.dataset, "get_batch"):
             x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
         else:
@@ -242,7 +242,7 @@ class ShardedBatches:
         step = self.start_step
         while True:
             epoch_end = self.plan.epoch_start(self.plan.position(step)[0] + 1)
-            sampler = _StepSampler(self.plan, self.shard_at, step, epoch_end)
+            sampler = _StepSampler(self.plan, self.slice_at, step, epoch_end)
             loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
                                 pin_memory=self.device.type == "cuda")
             for x, y in loader:
@@ -260,10 +260,10 @@ class ShardedBatches:
         return t.to(self.device, non_blocking=True) if t.device != self.device else t
 
 
-def eval_batches(dataset: Dataset, batch_size: int, shard: Shard, device: torch.device
+def eval_batches(dataset: Dataset, batch_size: int, slice: Slice, device: torch.device
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This worker's contiguous part of ``dataset``, every example once, in batches of ``batch_size``."""
-    mine = shard.take_ragged(torch.arange(len(dataset)))
+    mine = slice.take_ragged(torch.arange(len(dataset)))
     for start in range(0, len(mine), batch_size):
         indices = mine[start : start + batch_size]
         if hasattr(dataset, "get_batch"):

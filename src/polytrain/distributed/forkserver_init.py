@@ -7,7 +7,7 @@ milliseconds nor prints a KeyboardInterrupt traceback from its start-up; the lau
 store, reaches that worker anyway.
 
 The forkserver gets SIGKILL from the kernel the moment the launcher dies (however it dies), and its workers
-theirs the moment it does (see ``_die_with_parent`` in :mod:`.launch`).
+theirs the moment it does (see ``_die_with_parent`` in :mod:`.worker`).
 """
 
 import signal

@@ -148,3 +148,24 @@ class Topology:
             dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
         else:
             dist.barrier(group=self.group)
+
+
+def arrange(topology: Topology, layout: Any) -> tuple[Topology, Topology]:
+    """This process's ``topology`` laid out as ``layout`` (a :class:`~polytrain.distributed.layout.Layout`)
+    says, and the trainer ranks' view of it: a collective over the world (every rank makes the same groups).
+
+    When every rank trains, the world is the mesh of the layout's axes and the trainers are all of it. Else
+    the trainer ranks get a group of their own; a rank that does not train (a server, a helper) sees them as a
+    group it is not part of (rank 0 of a world of their number, no group: it never reduces with them)."""
+    if not topology.distributed:
+        return topology, topology
+    trainers = layout.trainers
+    if len(trainers) == layout.processes:
+        arranged = topology.arranged(**dict(layout.axes))
+        return arranged, arranged
+    group = dist.new_group(list(trainers), timeout=topology.timeout) if len(trainers) > 1 else None
+    if topology.rank in trainers:
+        view = replace(topology, rank=trainers.index(topology.rank), world_size=len(trainers), group=group)
+    else:
+        view = replace(topology, rank=0, world_size=len(trainers), group=None)
+    return topology, view

@@ -1,5 +1,5 @@
-"""Parallel strategies, chosen by name: ``single``, ``sync``, ``local-sgd``, ``diloco`` (more to come: async,
-pipeline, hybrid)."""
+"""Parallel strategies, chosen by name: ``single``, ``sync``, ``local-sgd``, ``diloco``, ``async``, ``pipeline``
+and ``hybrid`` (importing this package registers them); the protocol is :mod:`polytrain.strategies.base`."""
 
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
 from polytrain.strategies import periodic  # noqa: F401  (local-sgd, diloco)

@@ -1,43 +1,74 @@
-"""The Strategy protocol and the name registry.
+"""The Strategy protocol: a dozen members every strategy has, and capabilities some have.
 
-A strategy owns everything that differs between ways of training one model over processes and devices:
+A strategy owns everything that differs between ways of training one model over processes and devices.
 
-* the layout (:meth:`Strategy.processes`, :meth:`Strategy.arrange`): how many processes ``--workers N``
-  needs, and how they lie on the named ``dp``/``pp`` axes;
-* each rank's :attr:`~Strategy.role`: ``trainer`` ranks run the trainer's loop, ``server`` ranks (and
-  ``helper`` ranks, which compute work handed out by a server outside the trainer's loop) run
-  :meth:`~Strategy.serve` instead;
-* the model and optimizer (:meth:`~Strategy.prepare`), the step (:meth:`~Strategy.train_step`: micro-batches,
-  forward, backward, exchange, update), evaluation (:meth:`~Strategy.eval_step`), and the whole model's
-  state (:meth:`~Strategy.state_dict`, strategy-neutral: what ``single`` saves, loadable by any strategy);
-* which ranks hold the loss (:attr:`StepResult.loss` is None elsewhere) and the group the trainer reduces
-  metrics over (:attr:`~Strategy.trainers`).
+* Before anything starts: :meth:`Strategy.layout` (how many processes, their roles and names, the mesh axes
+  of the trainer ranks, the slices of a global batch: :class:`~polytrain.distributed.layout.Layout`) and
+  :meth:`Strategy.check` (settings and model that cannot work, as one ``ConfigError`` line).
+* In every process: :meth:`prepare` (the model moved, wrapped or cut, and the optimizer over what this rank
+  updates), :meth:`train_step` (micro-batches, forward, backward, exchange, update), :meth:`eval_step`,
+  :meth:`state_dict`/:meth:`load_state_dict` (the whole model and optimizer as ``single`` saves them,
+  loadable by any strategy), :meth:`finish`, :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics`
+  (numbers of its own for the step records and the summary) and :attr:`module` (the plain model).
+
+What only some strategies do is a *capability*: an object attribute, ``None`` where unsupported, which the
+trainer asks for instead of asking which strategy it has or what role a rank plays:
+
+* :attr:`own_loop`: this rank runs a loop of its own instead of the trainer's (a parameter server, an async
+  helper): ``own_loop.run(source)``;
+* :attr:`out_of_order`: this rank computes slices of any step, handed out at run time (async's tickets): it
+  draws whole global batches, and ``out_of_order.bind(source)`` gives it the batch and LR of any step;
+* :attr:`rebalancing`: the slices of each global batch are sized by the workers' measured speed
+  (``sync --balance``): ``rebalancing.slices(...)`` gives the slice of each step.
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
-overrides the exchange. Strategies are chosen by name (``--strategy sync``) or as ``package.module:Class``;
-the trainer never asks which one it has.
+overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).
+Strategies are chosen by name (``--strategy sync``) or as ``package.module:Class``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import importlib
-from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 
 import torch
 from torch import nn
 
-from polytrain.data.batches import Batch, BatchPlan, Shard, ShardedBatches
-from polytrain.distributed.topology import Topology
+from polytrain.data.batches import Batch, Slice
+from polytrain.distributed.layout import Layout
+from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
 from polytrain.options import section_defaults
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-ROLES = ("trainer", "server", "helper")
+#: what ``polytrain train`` uses without ``--workers`` (a data-parallel strategy's process count)
+DEFAULT_WORKERS = 2
+
+
+class OwnLoop(Protocol):
+    """A rank that runs its own loop instead of the trainer's (a server, a helper)."""
+
+    def run(self, source: RunSource) -> dict[str, Any]:
+        """The rank's whole loop; returns its summary."""
+
+
+class OutOfOrder(Protocol):
+    """A rank whose work is handed out at run time, any step's: it draws whole global batches."""
+
+    def bind(self, source: RunSource) -> None:
+        """Any step's batch and learning rate, before the first step."""
+
+
+class Rebalancing(Protocol):
+    """Slices of each global batch sized by the workers' measured speed."""
+
+    def slices(self, global_batch: int, accumulate: int, data_workers: int,
+               deterministic: bool) -> Slice | Callable[[int], Slice]:
+        """This rank's slice of every step (fixed, or a function of the step), after ``prepare``."""
 
 
 class Strategy:
@@ -45,181 +76,76 @@ class Strategy:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
-    #: whether the strategy needs one process per worker (False: it runs in the launching process)
-    multiprocess: ClassVar[bool] = False
     #: the RunConfig section holding this strategy's own options (registered with ``register_section``)
     config_section: ClassVar[str] = ""
 
-    def __init__(self, topology: Topology, options: Any = None):
-        self.options = self.options_or_defaults(options)  # before arrange(), which may read them
-        self.topology = self.arrange(topology)
+    def __init__(self, topology: Topology, options: Any = None, layout: Layout | None = None):
+        self.options = options if options is not None else section_defaults(self.config_section)
+        self.layout = layout if layout is not None else layout_for(type(self), topology.world_size, self.options)
+        if topology.world_size != self.layout.processes:
+            raise ConfigError(f"--strategy {self.name} lays out {self.layout.processes} process(es); this job has "
+                              f"{topology.world_size}")
+        #: this rank on the layout's mesh, and the trainer ranks as a topology of their own: metrics,
+        #: evaluation and the NaN guard are reduced over it, and its rank 0 logs and writes checkpoints
+        self.topology, self.trainers = arrange(topology, self.layout)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.recipe = StepRecipe()
-        self.source: RunSource | None = None  # any step's batch and LR (the trainer binds it)
         #: this rank's bytes sent and received in the exchange, and examples trained on (for bytes per example)
         self.traffic = Traffic()
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
         self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
+        self.own_loop: OwnLoop | None = None
+        self.out_of_order: OutOfOrder | None = None
+        self.rebalancing: Rebalancing | None = None
+
+    # -- before anything starts ------------------------------------------------------------------------
 
     @classmethod
-    def options_or_defaults(cls, options: Any = None) -> Any:
-        """``options``, or the defaults of the strategy's config section (None if it has none)."""
-        return options if options is not None else section_defaults(cls.config_section)
-
-    # -- layout, checked before any process starts -------------------------------------------------
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        """The job's layout for ``--workers`` (None: not given). By default one process."""
+        return Layout.data_parallel(cls.name, 1)
 
     @classmethod
-    def processes(cls, workers: int, options: Any = None) -> int:
-        """How many processes to launch for ``--workers N``."""
-        return workers if cls.multiprocess else 1
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        """Settings (and the model: the user's module, or None when it is named in the config) that cannot
+        work: one ConfigError line, before any process starts. By default: the global batch cuts into the
+        layout's slices of ``--accumulate`` equal micro-batches."""
+        check_batch(layout.slices, config.global_batch(layout.slices), config.train.accumulate)
 
-    @classmethod
-    def rank_names(cls, workers: int, options: Any = None) -> list[str] | None:
-        """What each launched process is called when the launcher reports its failure (None: "worker rank N")."""
-        return None
-
-    @classmethod
-    def expendable_ranks(cls, workers: int, options: Any = None) -> list[int]:
-        """Ranks the job goes on without if they die (``--tolerate-worker-loss``); none by default."""
-        return []
-
-    @classmethod
-    def data_slices(cls, workers: int, options: Any = None) -> int:
-        """How many slices each global batch is cut into (the size of the ``dp`` axis)."""
-        return cls.processes(workers, options)
-
-    @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        """Validate settings before any process starts; raise ConfigError with the fix. ``workers`` is
-        ``--workers``, resolved to a number; ``global_batch`` the examples of one global batch."""
-        cls.check_batch(cls.data_slices(workers, options), global_batch, accumulate)
-
-    @classmethod
-    def check_config(cls, config: Any, model: nn.Module | None) -> None:
-        """Checks that need the whole run config or the model (a pipeline: enough layers for its stages),
-        before any process starts; ``model`` is the user's module, or None when it is named in the config."""
-
-    @staticmethod
-    def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
-        """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""
-        if slices > 1 and global_batch % slices:
-            raise ConfigError(
-                f"--batch-size {global_batch} does not divide over {slices} workers; pass a multiple of "
-                f"{slices}, or --worker-batch-size B for B examples per worker"
-            )
-        per = global_batch // slices
-        if per % accumulate:
-            raise ConfigError(f"each worker's batch ({per}) must be divisible by --accumulate ({accumulate})")
-
-    def arrange(self, topology: Topology) -> Topology:
-        """The world laid out on named axes; by default every process is a data-parallel replica."""
-        return topology.arranged(dp=topology.world_size) if topology.distributed else topology
-
-    @property
-    def role(self) -> str:
-        """``trainer`` (runs the trainer's loop), or ``server`` or ``helper`` (runs :meth:`serve`)."""
-        return "trainer"
-
-    @property
-    def trainers(self) -> Topology:
-        """The trainer ranks as a topology of their own: metrics, evaluation and the NaN guard are
-        reduced over it, and its rank 0 logs."""
-        return self.topology
-
-    def bind(self, source: RunSource) -> None:
-        """Called by the trainer on every rank before training: any step's batch and learning rate, for a
-        strategy whose ranks take work out of step order (a ``helper`` rank's loop)."""
-        self.source = source
-
-    def serve(self) -> dict[str, Any]:
-        """A ``server`` or ``helper`` rank's whole loop; returns its summary."""
-        raise NotImplementedError(f"strategy {self.name} has no server ranks")
-
-    def finish(self) -> None:
-        """Called on every trainer rank once training has ended well (e.g. to tell servers to stop)."""
-
-    # -- data ---------------------------------------------------------------------------------------
-
-    def data_shard(self) -> Shard:
-        """This rank's equal slice of each global batch, from its place on the trainers' ``dp`` axis."""
-        return Shard(self.trainers.axis_rank("dp"), self.trainers.axis_size("dp"))
-
-    def batch_slices(self) -> int:
-        """How many equal slices a global batch is cut into (what ``--worker-batch-size`` is multiplied by):
-        by default the trainers' ``dp`` axis; a strategy whose trainers' group is not its data-parallel width
-        says its own."""
-        return self.data_shard().count
-
-    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
-                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
-        """The slices the trainer draws: the fixed ``data_shard()``, or a function giving each step's (a
-        strategy that re-splits batches as it goes). Called once, after ``prepare``."""
-        return self.data_shard()
-
-    def sharded_batches(self, dataset: Any, plan: BatchPlan, shards: Shard | Callable[[int], Shard] | None = None,
-                        start_step: int = 0, data_workers: int = 0) -> ShardedBatches:
-        """This rank's batches of ``plan``, as :class:`Batch` objects on its device: the one path by which
-        the trainer and an own loop (:meth:`batches`) draw data."""
-        return ShardedBatches(dataset, plan, self.data_shard() if shards is None else shards,
-                              self.topology.device, start_step, data_workers)
-
-    def batches(self, dataset: Any, batch_size: int, *, steps: int | None = None, epochs: int | None = None,
-                seed: int = 0, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This process's part of each global batch of ``batch_size`` examples, on this process's device,
-        the same slices the trainer takes. Stops after ``steps`` optimizer steps or ``epochs`` passes (one
-        epoch if neither is given)."""
-        plan = BatchPlan(len(dataset), batch_size, seed)
-        shard = self.data_shard()
-        if batch_size % shard.count:
-            raise ConfigError(f"batch size {batch_size} does not divide over {shard.count} workers")
-        total = steps if steps is not None else (epochs or 1) * plan.steps_per_epoch
-        for batch in self.sharded_batches(dataset, plan, shard, start_step):
-            if batch.step >= total:
-                return
-            yield batch.inputs, batch.targets
-
-    # -- model and optimizer -----------------------------------------------------------------------
-
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """This rank's model on its device (wrapped for the exchange where the strategy needs it)."""
-        return model.to(self.topology.device)
+    # -- the model and its step ------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: StepRecipe | None = None,
                 place: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """Take ``model`` (built alike on every rank), move and wrap it, let ``place`` put its sub-modules
         where the user asked, and build the optimizer over what this rank updates. Returns this rank's model."""
-        self.model = self.prepare_model(model)
+        self.model = self._wrap(model)
         if place is not None:
             place(self.model)
         self.optimizer = make_optimizer(self.model.parameters())
         self.recipe = recipe or StepRecipe()
         return self.model
 
-    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
-        """The plain module under any wrapper (DDP) of ``model`` (default: the prepared one)."""
-        return self.model if model is None else model
+    @property
+    def module(self) -> nn.Module:
+        """The plain model under any wrapper (DDP) this rank trains."""
+        assert self.model is not None, "call prepare() first"
+        return self._unwrap(self.model)
 
-    def set_lr(self, lr: float) -> None:
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-
-    # -- the step ----------------------------------------------------------------------------------
-
-    def train_step(self, batch: Batch) -> StepResult:
-        """One optimizer step on this rank's slice: forward, backward, exchange, update."""
+    def train_step(self, batch: Batch, lr: float) -> StepResult:
+        """One optimizer step at learning rate ``lr`` on this rank's slice: forward, backward, exchange, update."""
         assert self.model is not None and self.optimizer is not None, "call prepare() first"
+        self._set_lr(lr)
         self.optimizer.zero_grad(set_to_none=True)
         recipe = self.recipe
         loss = forward_backward(self.model, batch, recipe.task, self.trainers.axis_size("dp"), recipe.accumulate,
-                                self.grad_sync, self.backward, loss=recipe.loss)
+                                self._grad_sync, self._backward, loss=recipe.loss)
         if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         with self.phase("optimizer"):
-            self.optimizer_step(self.optimizer)
+            self._optimizer_step(self.optimizer)
         self.traffic.examples += len(batch)
-        return StepResult(loss, len(batch))
+        return StepResult(loss, len(batch), self._take_wait())
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -229,26 +155,13 @@ class Strategy:
         device = self.topology.device
         return torch.stack([v.to(device).double() for v in self.recipe.task.score(self.model(inputs), targets)])
 
-    def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
-        """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""
-        return contextlib.nullcontext()
+    def finish(self) -> None:
+        """Called on every trainer rank once training has ended well (e.g. to tell servers to stop)."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def describe(self) -> str:
+        return f"{self.name}: {self.topology.describe()}"
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-
-    def syncs_at(self, step: int) -> bool:
-        """Whether step ``step`` (counted from 1) holds a collective over every trainer rank (an all-reduce, a
-        pipeline schedule, an averaging), so that no trainer rank ends it before every other one began it:
-        where the ranks can agree on a step to stop at without waiting for each other
-        (:mod:`polytrain.distributed.stop`). Every step, by default."""
-        return True
-
-    def take_wait_seconds(self) -> float:
-        """Seconds this rank spent waiting for other ranks since the last call (for per-rank throughput)."""
-        return 0.0
+    # -- numbers of its own ----------------------------------------------------------------------------
 
     def take_metrics(self) -> dict[str, float]:
         """This rank's strategy-specific numbers since the last call (bytes sent, staleness, ...), called at
@@ -262,28 +175,80 @@ class Strategy:
         totals of :attr:`traffic` over the trainers (bytes sent and received, per rank and per example)."""
         return self.traffic.summary(self.trainers)
 
-    # -- the whole model's state -------------------------------------------------------------------
+    # -- the whole model's state -----------------------------------------------------------------------
 
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's ``state_dict`` as ``single`` would save it, on the trainers' rank 0 (None on
-        other ranks). Collective: every rank calls it."""
-        return self.unwrap().state_dict() if self.trainers.is_main else None
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """Model and optimizer, strategy-neutral, on the trainers' rank 0 (None elsewhere). Collective."""
-        model = self.model_state_dict()
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        """The whole model (and, with ``optimizer``, the optimizer's state), strategy-neutral, as ``single``
+        saves them: ``{"model": ..., "optimizer": ...}`` on the trainers' rank 0, None elsewhere. Collective:
+        every rank calls it (a strategy may gather the model's parts)."""
+        if not self.trainers.is_main:
+            return None
         assert self.optimizer is not None
-        optimizer = self.optimizer.state_dict() if self.trainers.is_main else None
-        return None if model is None else {"model": model, "optimizer": optimizer}
+        return {"model": self.module.state_dict(), **({"optimizer": self.optimizer.state_dict()} if optimizer else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (every rank gets the same ``state``)."""
         assert self.optimizer is not None
-        self.unwrap().load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def describe(self) -> str:
-        return f"{self.name}: {self.topology.describe()}"
+    # -- hooks for strategies (protected) --------------------------------------------------------------
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """This rank's model on its device (wrapped for the exchange where the strategy needs it)."""
+        return model.to(self.topology.device)
+
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module under any wrapper :meth:`_wrap` put around ``model``."""
+        return model
+
+    def _set_lr(self, lr: float) -> None:
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
+        """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""
+        return contextlib.nullcontext()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def _take_wait(self) -> float:
+        """Seconds this rank spent waiting for other ranks in the step just taken (for per-rank throughput)."""
+        return 0.0
+
+
+def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
+    """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""
+    if slices > 1 and global_batch % slices:
+        raise ConfigError(
+            f"--batch-size {global_batch} does not divide over {slices} workers; pass a multiple of "
+            f"{slices}, or --worker-batch-size B for B examples per worker"
+        )
+    per = global_batch // slices
+    if per % accumulate:
+        raise ConfigError(f"each worker's batch ({per}) must be divisible by --accumulate ({accumulate})")
+
+
+def data_slice(strategy: Strategy) -> Slice:
+    """This rank's equal slice of each global batch, from its place on the trainers' ``dp`` axis (for evaluation,
+    and for training where nothing re-sizes or hands out slices)."""
+    return Slice(strategy.trainers.axis_rank("dp"), strategy.trainers.axis_size("dp"))
+
+
+def layout_for(cls: type[Strategy], processes: int, options: Any = None) -> Layout:
+    """The layout of ``cls`` that has ``processes`` processes (for a strategy made in a process group of that
+    size, or under torchrun): the one for the largest ``--workers`` that gives it."""
+    for workers in range(processes, 0, -1):
+        layout = cls.layout(workers, options)
+        if layout.processes == processes:
+            return layout
+    raise ConfigError(f"--strategy {cls.name} cannot lay out {processes} process(es) "
+                      f"(with these settings it takes {cls.layout(None, options).processes})")
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -305,6 +270,11 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def registered() -> dict[str, type[Strategy]]:
+    """Every registered strategy by name."""
+    return dict(_REGISTRY)
+
+
 def get_strategy(name: str) -> type[Strategy]:
     """The strategy registered as ``name``, or the class ``package.module:Class`` (imported, so a strategy
     defined in your own module works in every spawned worker too)."""
@@ -317,49 +287,6 @@ def get_strategy(name: str) -> type[Strategy]:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
                           f"{', '.join(available_strategies())}, or package.module:Class") from None
-
-
-def strategy_sections() -> dict[str, list[str]]:
-    """Each strategy's config section and the strategies that read it (``periodic``: local-sgd, diloco)."""
-    owners: dict[str, list[str]] = {}
-    for name, cls in sorted(_REGISTRY.items()):
-        if cls.config_section:
-            owners.setdefault(cls.config_section, []).append(name)
-    return owners
-
-
-def unread_settings(config: Any, strategy: type[Strategy]) -> list[tuple[str, Any, list[str]]]:
-    """Settings changed from their default in another strategy's config section, which ``strategy`` never
-    reads: (key, value, the strategies that read it)."""
-    out = []
-    for section, owners in strategy_sections().items():
-        if section == strategy.config_section:
-            continue
-        values, defaults = getattr(config, section), section_defaults(section)
-        out += [(f.name, getattr(values, f.name), owners) for f in dataclasses.fields(values)
-                if getattr(values, f.name) != getattr(defaults, f.name)]
-    return out
-
-
-def check_settings_read(config: Any, strategy: type[Strategy]) -> None:
-    """One error line when a setting of another strategy was given: the run would ignore it (``--servers 2``
-    or ``--tolerate-worker-loss`` with ``--strategy sync``), and a run that drops what was asked is not the
-    run that was asked for."""
-    unread = unread_settings(config, strategy)
-    if not unread:
-        return
-    if len(unread) == 1:
-        (key, value, owners), = unread
-        raise ConfigError(f"{_flag(key, value)} is a setting of --strategy {' and '.join(owners)}, which "
-                          f"--strategy {strategy.name} does not read; drop it, or use {' or '.join(owners)}")
-    given = ", ".join(f"{_flag(key, value)} ({', '.join(owners)})" for key, value, owners in unread)
-    raise ConfigError(f"{given}: settings of other strategies, which --strategy {strategy.name} does not read; "
-                      "drop them")
-
-
-def _flag(key: str, value: Any) -> str:
-    flag = "--" + key.replace("_", "-")
-    return flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
 
 
 def _import_strategy(spec: str) -> type[Strategy]:

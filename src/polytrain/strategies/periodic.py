@@ -36,9 +36,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from polytrain.data.batches import Batch
-from polytrain.errors import ConfigError
+from polytrain.distributed.layout import Layout
 from polytrain.options import option, register_section
-from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, register_strategy
 from polytrain.strategies.step import StepResult
 
 #: DiLoCo's outer settings (Douillard et al. 2023, section 3): Nesterov momentum 0.9, outer learning rate 0.7
@@ -56,6 +56,11 @@ def _positive(value: float) -> None:
         raise ValueError(f"must be > 0, got {value:g}")
 
 
+#: what --strategy local-sgd is told of diloco's outer settings (strategies/settings.py)
+_OUTER = ("{flags} {verb} the outer step of --strategy diloco; --strategy {strategy} averages the parameters "
+          "(drop them, or use diloco)")
+
+
 @register_section("periodic", "strategies local-sgd and diloco", order=72)
 @dataclass
 class PeriodicConfig:
@@ -64,34 +69,27 @@ class PeriodicConfig:
                              minimum=1, metavar="H")
     outer_lr: float | None = option(None, f"diloco: outer SGD learning rate on the averaged parameter change "
                                           f"(default {DEFAULT_OUTER_LR:g}; 1 with momentum 0 is local-sgd)",
-                                    check=_positive, metavar="L")
+                                    check=_positive, metavar="L", strategies=("diloco",), elsewhere=_OUTER)
     outer_momentum: float | None = option(None, f"diloco: outer Nesterov momentum (default "
                                                 f"{DEFAULT_OUTER_MOMENTUM:g}; 0: plain outer SGD)",
-                                          minimum=0, check=_below_one, metavar="M")
+                                          minimum=0, check=_below_one, metavar="M", strategies=("diloco",),
+                                          elsewhere=_OUTER)
 
 
 @register_strategy
 class LocalSGD(Strategy):
     name = "local-sgd"
     summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
-    multiprocess = True
     config_section = "periodic"
 
-    def __init__(self, topology: Any, options: PeriodicConfig | None = None):
-        super().__init__(topology, options)
+    def __init__(self, topology: Any, options: PeriodicConfig | None = None, layout: Layout | None = None):
+        super().__init__(topology, options, layout)
         self._dirty = False  # steps taken since the replicas last met: they may differ
-        self._waited = 0.0
 
     @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        super().check(workers, global_batch, accumulate, options)
-        given = [flag for flag, value in (("--outer-lr", getattr(options, "outer_lr", None)),
-                                          ("--outer-momentum", getattr(options, "outer_momentum", None)))
-                 if value is not None]
-        if given and cls.name != Diloco.name:
-            verb = "set" if len(given) > 1 else "sets"
-            raise ConfigError(f"{' and '.join(given)} {verb} the outer step of --strategy diloco; "
-                              f"--strategy {cls.name} averages the parameters (drop them, or use diloco)")
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        opts = options if options is not None else PeriodicConfig()
+        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS, meets_every=opts.sync_every)
 
     def describe(self) -> str:
         return f"{super().describe()}, each worker its own optimizer; {self._meeting()} every " \
@@ -100,7 +98,7 @@ class LocalSGD(Strategy):
     def _meeting(self) -> str:
         return "parameters averaged"
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.topology.device)
         if self.topology.distributed:  # start from rank 0's replica, as DDP does (not counted: start-up only)
             for tensors in _by_dtype(list(model.parameters()) + list(model.buffers())).values():
@@ -112,23 +110,21 @@ class LocalSGD(Strategy):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def syncs_at(self, step: int) -> bool:
-        return step % self.options.sync_every == 0  # the averaging step; the others are each worker's own
-
-    def train_step(self, batch: Batch) -> StepResult:
-        result = super().train_step(batch)  # forward, backward and this worker's own optimizer step
+    def train_step(self, batch: Batch, lr: float) -> StepResult:
+        result = super().train_step(batch, lr)  # forward, backward and this worker's own optimizer step
         self._dirty = True
-        if (batch.step + 1) % self.options.sync_every == 0:
+        if self.layout.meets_at(batch.step + 1):
             started = time.perf_counter()
             with torch.no_grad(), self.phase("sync"):
                 self._meet()
             self._dirty = False
-            self._waited += time.perf_counter() - started
+            # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
+            result.wait_s += time.perf_counter() - started
         return result
 
     def _meet(self) -> None:
         """The sync point: every replica becomes the average."""
-        self._average_into(self._synced(self.unwrap()))
+        self._average_into(self._synced(self.module))
 
     def _synced(self, model: nn.Module) -> list[torch.Tensor]:
         """What meets at a sync point: the parameters and the floating-point buffers (BatchNorm statistics;
@@ -148,20 +144,18 @@ class LocalSGD(Strategy):
             for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.data.copy_(value)
 
-    def take_wait_seconds(self) -> float:
-        # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
-        waited, self._waited = self._waited, 0.0
-        return waited
-
     # -- the whole model ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        state = self.unwrap().state_dict()
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        model = self.module.state_dict()
         if self._dirty:  # mid-round: the average of the replicas, leaving each worker's own untouched
-            state = {k: v.detach().clone() for k, v in state.items()}
-            self._average_into([v for v in state.values() if v.is_floating_point()])
-        return state if self.trainers.is_main else None
+            model = {k: v.detach().clone() for k, v in model.items()}
+            self._average_into([v for v in model.values() if v.is_floating_point()])
+        if not self.trainers.is_main:
+            return None
+        assert self.optimizer is not None
+        return {"model": model, **({"optimizer": self.optimizer.state_dict()} if optimizer else {})}
 
 
 @register_strategy
@@ -170,8 +164,8 @@ class Diloco(LocalSGD):
     summary = ("DiLoCo: each worker its own (inner) optimizer on its slice; every --sync-every H steps an outer "
                "Nesterov SGD step on the averaged parameter change")
 
-    def __init__(self, topology: Any, options: PeriodicConfig | None = None):
-        super().__init__(topology, options)
+    def __init__(self, topology: Any, options: PeriodicConfig | None = None, layout: Layout | None = None):
+        super().__init__(topology, options, layout)
         opts = self.options
         self.outer_lr = DEFAULT_OUTER_LR if opts.outer_lr is None else opts.outer_lr
         self.outer_momentum = DEFAULT_OUTER_MOMENTUM if opts.outer_momentum is None else opts.outer_momentum
@@ -184,13 +178,13 @@ class Diloco(LocalSGD):
     def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:
         prepared = super().prepare(model, make_optimizer, recipe, place)
         # the anchor: the parameters every worker started this round from; the outer optimizer steps it
-        self._anchor = [p.detach().clone() for p in self.unwrap().parameters()]
+        self._anchor = [p.detach().clone() for p in self.module.parameters()]
         self.outer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         return prepared
 
     def _meet(self) -> None:
-        params = list(self.unwrap().parameters())
+        params = list(self.module.parameters())
         super()._meet()  # the replicas' average (buffers: just averaged)
         for anchor, averaged in zip(self._anchor, params):
             anchor.grad = anchor - averaged  # the round's outer "gradient": how far the average moved, negated
@@ -200,9 +194,9 @@ class Diloco(LocalSGD):
             param.data.copy_(anchor)
             anchor.grad = None
 
-    def state_dict(self) -> dict[str, Any] | None:
-        state = super().state_dict()
-        if state is not None:
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        state = super().state_dict(optimizer)
+        if state is not None and optimizer:
             assert self.outer is not None
             state["outer"] = {"anchor": [a.detach().clone() for a in self._anchor],
                               "optimizer": self.outer.state_dict()}
@@ -210,7 +204,7 @@ class Diloco(LocalSGD):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        params = list(self.unwrap().parameters())
+        params = list(self.module.parameters())
         outer = state.get("outer")  # a checkpoint of another strategy: this round starts from its model
         with torch.no_grad():
             for anchor, source in zip(self._anchor, outer["anchor"] if outer else params):

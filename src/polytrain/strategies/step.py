@@ -44,6 +44,7 @@ class RunSource:
     lr_at: Callable[[int], float]
     total_steps: int
     after_slice: Callable[[float, int], None] = lambda compute_s, step: None
+    global_batch: int = 0  # examples in one step's batch
 
 
 @dataclass
@@ -54,6 +55,8 @@ class StepResult:
 
     loss: torch.Tensor | None
     examples: int
+    #: seconds of the step spent exchanging or waiting for other ranks (not computing): per-rank throughput
+    wait_s: float = 0.0
 
 
 def loss_divisor(global_units: int, replicas: int, units: int) -> float:

@@ -30,12 +30,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from polytrain.data.batches import Shard
+from polytrain.data.batches import Slice
 from polytrain.distributed.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
+from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
-from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -63,11 +64,10 @@ class SyncConfig:
 class SyncDataParallel(Strategy):
     name = "sync"
     summary = "synchronous data parallel: each worker a slice of the global batch, gradients all-reduced"
-    multiprocess = True
     config_section = "sync"
 
-    def __init__(self, topology: Any, options: SyncConfig | None = None):
-        super().__init__(topology, options)
+    def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
+        super().__init__(topology, options, layout)
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None
@@ -78,8 +78,14 @@ class SyncDataParallel(Strategy):
         self._compute_end: float | None = None
         self._slice = 0  # examples this rank took in the current step
         self._buffer_bytes = 0  # what DDP broadcasts from rank 0 before each step's first forward
+        if self.options.balance != "off":
+            self.rebalancing = _Rebalancing(self)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    @classmethod
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
         opts = self.options
         topo = self.topology
         if opts.sync_batchnorm and topo.distributed:
@@ -125,27 +131,7 @@ class SyncDataParallel(Strategy):
             text += f", {self._balance_note}"
         return text
 
-    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
-                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
-        wanted, topo = self.options.balance, self.topology
-        if wanted == "off" or not topo.distributed:
-            return self.data_shard()
-        if data_workers:
-            if wanted == "on":
-                raise ConfigError(f"--balance on needs batches drawn in the workers themselves, but "
-                                  f"--data-workers {data_workers} loads them steps ahead; pass --data-workers 0 "
-                                  "or --balance off")
-            self._balance_note = f"equal slices (--data-workers {data_workers} loads batches ahead)"
-            return self.data_shard()
-        if wanted == "auto" and (deterministic or topo.device.type != "cpu"):
-            why = "--deterministic" if deterministic else f"workers on {topo.device.type}"
-            self._balance_note = f"equal slices ({why}; --balance on to balance)"
-            return self.data_shard()
-        self._balancer = Balancer(global_batch, topo.world_size, BalancePolicy(multiple=accumulate))
-        self._balance_note = "slices balanced by measured speed (--balance)"
-        return self._shard_at
-
-    def train_step(self, batch: Any) -> Any:
+    def train_step(self, batch: Any, lr: float) -> Any:
         if self._buffer_bytes:
             # DDP broadcasts buffers before the first forward after a synchronised backward: once a step, even
             # with --accumulate (no_sync micro-batches skip it); counted as rank 0 sending to each other rank
@@ -154,9 +140,9 @@ class SyncDataParallel(Strategy):
                 self.traffic.add((n - 1) * self._buffer_bytes, 0)
             else:
                 self.traffic.add(0, self._buffer_bytes)
-        return super().train_step(batch)
+        return super().train_step(batch, lr)
 
-    def _shard_at(self, step: int) -> Shard:
+    def _slice_at(self, step: int) -> Slice:
         """This rank's slice for the step about to start, after learning how the last one went everywhere."""
         balancer, topo = self._balancer, self.topology
         assert balancer is not None
@@ -174,18 +160,17 @@ class SyncDataParallel(Strategy):
             balancer.update([(t, int(n)) for t, n in measured.tolist()])
         self._step_started, self._compute_end = time.perf_counter(), None
         self._slice = balancer.sizes[topo.rank]
-        return Shard(topo.rank, topo.world_size, balancer.sizes)
+        return Slice(topo.rank, topo.world_size, balancer.sizes)
 
-    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
-        model = self.model if model is None else model
+    def _unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
+    def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         if enabled or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if self._last_bucket_ready is not None:
             self._compute_end = self._last_bucket_ready
@@ -194,9 +179,37 @@ class SyncDataParallel(Strategy):
             self._waited += time.perf_counter() - self._last_bucket_ready
             self._last_bucket_ready = None
 
-    def take_wait_seconds(self) -> float:
+    def _take_wait(self) -> float:
         waited, self._waited = self._waited, 0.0
         return waited
+
+
+class _Rebalancing:
+    """``--balance``: each step's slices sized by the workers' measured speed (:mod:`.balance`)."""
+
+    def __init__(self, strategy: SyncDataParallel):
+        self.strategy = strategy
+
+    def slices(self, global_batch: int, accumulate: int, data_workers: int,
+               deterministic: bool) -> Slice | Callable[[int], Slice]:
+        sync = self.strategy
+        wanted, topo = sync.options.balance, sync.topology
+        if not topo.distributed:
+            return data_slice(sync)
+        if data_workers:
+            if wanted == "on":
+                raise ConfigError(f"--balance on needs batches drawn in the workers themselves, but "
+                                  f"--data-workers {data_workers} loads them steps ahead; pass --data-workers 0 "
+                                  "or --balance off")
+            sync._balance_note = f"equal slices (--data-workers {data_workers} loads batches ahead)"
+            return data_slice(sync)
+        if wanted == "auto" and (deterministic or topo.device.type != "cpu"):
+            why = "--deterministic" if deterministic else f"workers on {topo.device.type}"
+            sync._balance_note = f"equal slices ({why}; --balance on to balance)"
+            return data_slice(sync)
+        sync._balancer = Balancer(global_batch, topo.world_size, BalancePolicy(multiple=accumulate))
+        sync._balance_note = "slices balanced by measured speed (--balance)"
+        return sync._slice_at
 
 
 def _timed_allreduce(state, bucket):  # unannotated: DDP rejects annotations other than its own types

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from polytrain.data.batches import Batch, BatchPlan, Shard
+from polytrain.data.batches import Batch, BatchPlan, Slice
 from polytrain.distributed.topology import Topology
 
 
@@ -26,7 +26,7 @@ class ExampleIds:
         self.pending: list[tuple[int, list[int]]] = []
 
     def observe(self, batch: Batch) -> None:
-        assert batch.indices is not None, "batches drawn by ShardedBatches carry their indices"
+        assert batch.indices is not None, "batches drawn by SlicedBatches carry their indices"
         self.pending.append((batch.step, batch.indices.tolist()))
 
     def flush(self) -> None:
@@ -53,12 +53,12 @@ class _Off:
 def example_ids(session: Any, trainers: Topology) -> ExampleIds | _Off:
     """The log for ``--log-example-ids`` of a :class:`~polytrain.train.session.Session` (one that does nothing
     when it is not set). A rank's slice index is that of the shard it draws: a strategy whose ranks all draw
-    whole global batches and share the work out themselves (async's tickets) draws ``Shard(0, 1)`` on each."""
+    whole global batches and share the work out themselves (async's tickets) draws ``Slice(0, 1)`` on each."""
     path = session.config.data.log_example_ids
     if not path:
         return _Off()
-    drawn = session.step_shards
-    index = drawn.index if isinstance(drawn, Shard) else session.shard.index
+    drawn = session.step_slices
+    index = drawn.index if isinstance(drawn, Slice) else session.slice.index
     return ExampleIds(path, trainers, index, session.plan)
 
 

@@ -30,16 +30,14 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.distributed.launch import resolve_workers, under_torchrun
+from polytrain.distributed.launch import under_torchrun
 from polytrain.distributed.stop import StopSignal
 from polytrain.errors import CommunicationError, ConfigError, WorkerError
 from polytrain.log import get_logger
-from polytrain.strategies import get_strategy
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.dirlock import hold
 from polytrain.train.faults import ATTEMPT_ENV
-from polytrain.train.run import run as run_once
-from polytrain.train.session import strategy_options
+from polytrain.train.run import layout_of, run as run_once
 
 #: what a restart can help with: a process that died or was lost, a peer that did not answer
 RESTARTABLE = (WorkerError, CommunicationError)
@@ -103,13 +101,10 @@ def check_restarts(config: RunConfig) -> None:
             raise ConfigError(f"--max-restarts {restart.max_restarts}: under torchrun the restarts are torchrun's; "
                               f"give torchrun --max-restarts {restart.max_restarts} (it has {given})")
         return
-    if restart.max_restarts:
-        strategy = get_strategy(config.train.strategy)
-        workers = resolve_workers(config.launch.workers, config.device.device)
-        if strategy.processes(workers, strategy_options(config, strategy)) == 1:
-            raise ConfigError(f"--max-restarts: --strategy {config.train.strategy} with 1 process runs inside this "
-                              "one, which cannot restart itself when it dies; run it under torchrun "
-                              "--max-restarts R --nproc-per-node 1, or leave --max-restarts out")
+    if restart.max_restarts and layout_of(config).processes == 1:
+        raise ConfigError(f"--max-restarts: --strategy {config.train.strategy} with 1 process runs inside this "
+                          "one, which cannot restart itself when it dies; run it under torchrun "
+                          "--max-restarts R --nproc-per-node 1, or leave --max-restarts out")
 
 
 def _under_torchrun(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dict[str, Any] | None:

@@ -20,8 +20,10 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.registry import check_model
+from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
-from polytrain.strategies.base import check_settings_read
+from polytrain.strategies.base import layout_for, registered
+from polytrain.strategies.settings import check_settings_read
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.schedules import parse_schedule
 from polytrain.train.session import strategy_options
@@ -29,20 +31,33 @@ from polytrain.train.straggler import check_stragglers
 from polytrain.train.trainer import train_worker
 
 
-def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> int:
-    """Validate ``config`` without starting anything; return the number of worker processes."""
+def layout_of(config: RunConfig) -> Layout:
+    """The job's layout, decided here, once: from ``--workers`` (None: not given) and the strategy's own
+    settings; under torchrun, the one that fills torchrun's world."""
     strategy = get_strategy(config.train.strategy)
     options = strategy_options(config, strategy)
+    if under_torchrun():
+        return layout_for(strategy, int(os.environ["WORLD_SIZE"]), options)
+    return strategy.layout(requested_workers(config), options)
+
+
+def requested_workers(config: RunConfig) -> int | None:
+    """``--workers``, or the count the ``--device`` spec names (``cpu:4``); None when neither says."""
+    if config.launch.workers is None:
+        return parse_device(config.device.device).workers
+    return resolve_workers(config.launch.workers, config.device.device)
+
+
+def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> Layout:
+    """Validate ``config`` without starting anything; return the job's layout."""
+    strategy = get_strategy(config.train.strategy)
     parse_device(config.device.device)
-    workers = resolve_workers(config.launch.workers, config.device.device)
-    processes = strategy.processes(workers, options)
-    slices = strategy.data_slices(workers, options)  # what the session's dp axis will be
-    check_device_config(config.device, processes)
+    layout = layout_of(config)
+    check_device_config(config.device, layout.processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
-    strategy.check(workers, config.global_batch(slices), config.train.accumulate, options)
-    strategy.check_config(config, model)
-    check_settings_read(config, strategy)
-    check_stragglers(config.straggler.straggler, workers)
+    strategy.check(layout, config, model)
+    check_settings_read(config, strategy, registered())
+    check_stragglers(config.straggler.straggler, layout.workers)
     parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")
@@ -54,10 +69,10 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
     if data is None:
-        _check_dataset_size(check_data(config.data.data, config.data.data_args), slices,
-                            config.global_batch(slices))
+        _check_dataset_size(check_data(config.data.data, config.data.data_args), layout.slices,
+                            config.global_batch(layout.slices))
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
-    return processes
+    return layout
 
 
 def _check_dataset_size(train_size: int | None, processes: int, global_batch: int) -> None:
@@ -71,33 +86,19 @@ def _check_dataset_size(train_size: int | None, processes: int, global_batch: in
                           "use a smaller batch")
 
 
-def _expendable(config: RunConfig, strategy: Any, options: Any) -> list[int]:
-    """The ranks the job goes on without if they die (--tolerate-worker-loss). Under torchrun too, where launch
-    refuses them: asked with torchrun's world size (--workers means nothing there), so that the refusal fires
-    whatever --workers says."""
-    workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else \
-        resolve_workers(config.launch.workers, config.device.device)
-    return strategy.expendable_ranks(workers, options)
-
-
 def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None,
         stop: StopSignal | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says (spawning workers if the strategy needs them); return rank 0's summary
     (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
     stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
-    processes = config.launch.workers if under_torchrun() else check(config, model=model, data=data)
-    strategy = get_strategy(config.train.strategy)
-    options = strategy_options(config, strategy)
-    names = None if under_torchrun() else strategy.rank_names(
-        resolve_workers(config.launch.workers, config.device.device), options)
+    layout = layout_of(config) if under_torchrun() else check(config, model=model, data=data)
     results = launch(
         train_worker, config, model, data,
-        workers=processes, device=config.device.device, backend=config.launch.backend,
+        device=config.device.device, backend=config.launch.backend, layout=layout,
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
-        soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory, rank_names=names,
-        heartbeat_timeout=config.launch.heartbeat_timeout, expendable=_expendable(config, strategy, options),
-        stop=stop,
+        soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
+        heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop,
     )
     summary = results[0]  # under torchrun: this process's own
     if isinstance(summary, dict) and summary.get("stopped"):

@@ -19,7 +19,7 @@ from torch import nn
 
 from polytrain.config import RunConfig, to_toml
 from polytrain.data.base import DataBundle
-from polytrain.data.batches import BatchPlan, Shard
+from polytrain.data.batches import BatchPlan, Slice
 from polytrain.devices.host_memory import describe_host_memory
 from polytrain.devices.placement import model_devices
 from polytrain.devices.runtime import DeviceRuntime
@@ -28,7 +28,9 @@ from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
+from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy, get_strategy
+from polytrain.strategies.base import check_batch, data_slice
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.integrity import signature
@@ -62,15 +64,16 @@ class Session:
     topology: Topology
     data: DataBundle
     strategy: Strategy
-    shard: Shard
+    slice: Slice  # this rank's equal slice of each global batch (evaluation's too)
     plan: BatchPlan
     model: nn.Module  # this rank's prepared model (wrapped, or a pipeline stage)
     task: Task
-    schedule: Schedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
+    lr_schedule: Schedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
     total_steps: int
     checkpointer: Checkpointer | None
-    #: the trainer's slices: ``shard`` itself, or a function of the step when the strategy re-splits batches
-    step_shards: Shard | Callable[[int], Shard]
+    #: the slices the trainer draws: ``slice``, the whole batch (work handed out at run time), or a function
+    #: of the step (slices re-sized by speed)
+    step_slices: Slice | Callable[[int], Slice]
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
 
@@ -101,8 +104,8 @@ class Session:
         assert model_and_optimizer is not None
         return {
             **model_and_optimizer,
-            "schedule": str(self.schedule),
-            "lr": float(self.schedule(step)),  # the next step's: where a resume at another batch starts from
+            "schedule": str(self.lr_schedule),
+            "lr": float(self.lr_schedule(step)),  # the next step's: where a resume at another batch starts from
             "data_position": DataPosition.at(self.plan, step).as_dict(),
             "rng": rng,
             "world_size": trainers.world_size,
@@ -111,10 +114,10 @@ class Session:
         }
 
     def describe(self) -> str:
-        cfg, unwrapped = self.config, self.strategy.unwrap()
-        params = sum(p.numel() for p in unwrapped.parameters())
-        per_worker = self.plan.global_batch // self.shard.count
-        batch = f"{self.plan.global_batch}" + (f" = {self.shard.count} x {per_worker}" if self.shard.count > 1 else "")
+        cfg = self.config
+        params = sum(p.numel() for p in self.strategy.module.parameters())
+        per_worker = self.plan.global_batch // self.slice.count
+        batch = f"{self.plan.global_batch}" + (f" = {self.slice.count} x {per_worker}" if self.slice.count > 1 else "")
         lines = [
             f"strategy {self.strategy.describe()}",
             f"data {self.data.describe()}",
@@ -122,25 +125,26 @@ class Session:
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
             f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
-            f"optimizer {cfg.optim.optimizer}, lr {self.schedule.base_lr:g}, schedule {self.schedule}",
+            f"optimizer {cfg.optim.optimizer}, lr {self.lr_schedule.base_lr:g}, schedule {self.lr_schedule}",
             f"process: {torch.get_num_threads()} CPU thread(s) per worker, {describe_host_memory()}",
         ]
         return "\n".join(lines)
 
 
 def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = None,
-          data: DataBundle | None = None) -> Session:
+          data: DataBundle | None = None, layout: Layout | None = None) -> Session:
+    """This rank's session for ``config``; ``layout``: the job's, as the launching process decided it (None:
+    the strategy's for this process group's size)."""
     config = copy.deepcopy(config)
     seed_everything(config.train.seed)
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
     strategy_cls = get_strategy(config.train.strategy)
-    strategy = strategy_cls(topology, strategy_options(config, strategy_cls))
-    shard = strategy.data_shard()
-    slices = strategy.batch_slices()
+    strategy = strategy_cls(topology, strategy_options(config, strategy_cls), layout)
+    mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)
-    strategy_cls.check_batch(slices, global_batch, config.train.accumulate)
+    check_batch(slices, global_batch, config.train.accumulate)
     try:
         plan = BatchPlan(len(data.train), global_batch, config.train.seed)
     except ValueError as exc:
@@ -158,19 +162,28 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     task = get_task(data.task)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss)
-    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe, place=lambda m: _place(devices, config, strategy, m))
+    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
+                             place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
-    schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
+    lr_schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
-    step_shards = strategy.step_shards(global_batch, config.train.accumulate, config.data.data_workers,
-                                       config.train.deterministic)
-    session = Session(config, topology, data, strategy, shard, plan, model, task, schedule, total_steps,
-                      checkpointer, step_shards, devices=devices)
+    session = Session(config, topology, data, strategy, mine, plan, model, task, lr_schedule, total_steps,
+                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
     return session
+
+
+def _step_slices(strategy: Strategy, mine: Slice, global_batch: int,
+                 config: RunConfig) -> Slice | Callable[[int], Slice]:
+    """The slices the trainer draws: re-sized by speed (``rebalancing``), the whole batch for a rank whose
+    work is handed out at run time (``out_of_order``), else this rank's equal slice."""
+    if strategy.rebalancing is not None:
+        return strategy.rebalancing.slices(global_batch, config.train.accumulate, config.data.data_workers,
+                                           config.train.deterministic)
+    return Slice(0, 1) if strategy.out_of_order is not None else mine
 
 
 def strategy_options(config: RunConfig, strategy_cls: type[Strategy]) -> Any:
@@ -193,7 +206,7 @@ def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model:
     built its gradient buckets on that device by then, so with one the plan may not move parameters elsewhere.
     """
     home = strategy.topology.device
-    unwrapped = strategy.unwrap(model)
+    unwrapped = strategy.module
     devices.prepare(unwrapped, config.device.plan(), home=home)
     if unwrapped is not model and model_devices(unwrapped) not in ([], [home]):
         spread = ", ".join(str(d) for d in model_devices(unwrapped))
@@ -216,7 +229,7 @@ def _resume(s: Session) -> None:
     if trainers.is_main:
         # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
         # the model's own state_dict says which tensors a checkpoint of it holds
-        choice = s.checkpointer.choose(signature(s.strategy.unwrap().state_dict()))
+        choice = s.checkpointer.choose(signature(s.strategy.module.state_dict()))
         warn_choice(choice, s.log.warning, "--resume: ")
         if choice.good is not None:
             found = (choice.good.state, str(choice.good.path), None)
@@ -266,8 +279,8 @@ def _continue_data(s: Session, state: dict[str, Any]) -> None:
         return
     cfg = s.config
     s.total_steps = reshard.total_steps(s.plan, cfg.train.steps, cfg.train.epochs)
-    schedule = parse_schedule(cfg.optim.lr_schedule, s.schedule.base_lr, s.total_steps)
-    s.schedule = schedule
+    schedule = parse_schedule(cfg.optim.lr_schedule, s.lr_schedule.base_lr, s.total_steps)
+    s.lr_schedule = schedule
     r, old_batch = s.plan.resumed, position.global_batch
     s.log.info(f"--resume: global batch {old_batch} -> {s.plan.global_batch}: epoch {r.epoch} continues from "
                f"example {r.offset} of its {r.end} in {s.plan.resumed_steps} step(s) of the new batch")
@@ -283,4 +296,4 @@ def _continue_data(s: Session, state: dict[str, Any]) -> None:
         s.log.info(f"--resume: learning rate {old_lr:g} -> {new_lr:g} for global batch {s.plan.global_batch} "
                    f"(--lr-scaling {cfg.optim.lr_scaling}), {how}")
         if warmup:
-            s.schedule = reshard.Rescaled(schedule, s.start_step, old_lr, warmup)
+            s.lr_schedule = reshard.Rescaled(schedule, s.start_step, old_lr, warmup)

@@ -1,10 +1,11 @@
 """The trainer: builds data, model, strategy and optimizer from a config and runs the loop.
 
 :class:`Trainer` runs inside one worker process (``polytrain.launch`` starts the workers). A rank whose
-strategy gives it the ``server`` role runs the strategy's server loop instead. On a trainer rank, each
-step: set the scheduled LR → the strategy's step on this rank's slice of the global batch (forward,
-backward, exchange, update: ``strategy.train_step``) → note a NaN/inf loss on the device → log, evaluate,
-checkpoint at their intervals. The trainer never asks which strategy it has.
+strategy gives it a loop of its own (the ``own_loop`` capability: a parameter server, an async helper) runs
+that instead. Every other rank, each step: the strategy's step on this rank's slice of the global batch at
+the scheduled LR (forward, backward, exchange, update: ``strategy.train_step``) → note a NaN/inf loss on the
+device → log, evaluate, checkpoint at their intervals. The trainer never asks which strategy it has, nor
+what a rank is for: it asks for capabilities (:mod:`polytrain.strategies.base`).
 
 A stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, to the launcher or any rank: ``ctx.stop``) ends the loop at
 a step every trainer rank agrees on (:mod:`polytrain.distributed.stop`), after a checkpoint there when the run
@@ -13,7 +14,7 @@ has a checkpoint directory; the summary says so (``stopped``). A step pays one a
 Nothing in a step waits for the device: losses are read at log points. A non-finite loss is found there
 (or before anything is written: evaluation, checkpoint, saved model), over every trainer rank at once, and
 the run stops naming the first bad step; no checkpoint or saved model ever holds a diverged step's
-parameters. The compute of each step runs inside the session's device runtime (``s.devices``): the
+parameters. The compute of each step runs inside the session's device runtime (``session.devices``): the
 per-operator placement log, the CPU fallback with ``--soft-placement``, and errors naming the device.
 """
 
@@ -29,7 +30,8 @@ from torch import nn
 import polytrain.components  # noqa: F401  (a worker unpickles the config of every registered section)
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.batches import eval_batches
+from polytrain.data.batches import SlicedBatches, eval_batches
+from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError, RunStopped
@@ -47,25 +49,27 @@ class Trainer:
     """Trains one model as ``config`` says, in this worker process."""
 
     def __init__(self, config: RunConfig, topology: Topology | None = None, *,
-                 model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None):
+                 model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None,
+                 layout: Layout | None = None):
         self.config = config
-        self.s = session.build(config, topology or Topology(), model=model, data=data)
-        self.strategy = self.s.strategy
+        self.session = session.build(config, topology or Topology(), model=model, data=data, layout=layout)
+        self.strategy = self.session.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
         self.topology = self.strategy.trainers
-        # a helper rank is no trainer rank: its --straggler spec is its own rank's
-        rank = self.topology.rank if self.strategy.role == "trainer" else self.strategy.topology.rank
-        self.straggler = StragglerInjector(config.straggler.straggler, rank, config.train.seed)
+        # --straggler names global ranks (a helper's or a server's own too)
+        self.straggler = StragglerInjector(config.straggler.straggler, self.strategy.topology.rank, config.train.seed)
         self.timed = TimedCheckpoints(config.restart.checkpoint_every_seconds, self.topology.is_main)
         self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
         self.stop = stop if stop is not None else StopSignal()
         self.stopping = self.stop.agreement(self.topology.rank, self.topology.world_size, self.topology.timeout)
 
     def fit(self) -> dict[str, Any]:
-        self.strategy.bind(self._run_source())
-        if self.strategy.role != "trainer":
-            return self.strategy.serve()
-        s, cfg = self.s, self.config
+        source = self._run_source()
+        if self.strategy.out_of_order is not None:  # work handed out at run time, of any step
+            self.strategy.out_of_order.bind(source)
+        if self.strategy.own_loop is not None:  # a rank with a loop of its own (a server, a helper)
+            return self.strategy.own_loop.run(source)
+        s, cfg = self.session, self.config
         started = time.perf_counter()
         run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main)
         try:
@@ -80,19 +84,19 @@ class Trainer:
             run_log.close()
 
     def _run_source(self) -> RunSource:
-        s = self.s
-        batches = self.strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step)
+        s = self.session
+        batches = SlicedBatches(s.data.train, s.plan, s.step_slices, self.strategy.topology.device, s.start_step)
 
         def after_slice(compute_s: float, step: int) -> None:
             self.straggler.after_step(compute_s)
             self.kill.after_slice(step + 1)
 
-        return RunSource(batches.at, s.schedule, s.total_steps, after_slice)
+        return RunSource(batches.at, s.lr_schedule, s.total_steps, after_slice, s.plan.global_batch)
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
-        s, cfg, strategy = self.s, self.config, self.strategy
-        batches = iter(strategy.sharded_batches(s.data.train, s.plan, s.step_shards, s.start_step,
-                                                cfg.data.data_workers))
+        s, cfg, strategy = self.session, self.config, self.strategy
+        batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
+                                     cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
         ids = example_ids(s, self.topology)
         self.guard = DivergenceGuard(self.topology.device)
@@ -105,18 +109,17 @@ class Trainer:
         while step < s.total_steps:
             if self._stop_after(step):
                 return self._stopped(step, totals, last_interval_loss, last_eval)
-            lr = s.schedule(step)
-            strategy.set_lr(lr)
+            lr = s.lr_schedule(step)
             tick = time.perf_counter()
             batch = next(batches)
             with s.devices.step_context(step):
-                result = strategy.train_step(batch)
+                result = strategy.train_step(batch, lr)
                 with s.devices.phase("loss"):
                     self.guard.observe(result.loss, step + 1)
             ids.observe(batch)
             done = step + 1
             elapsed = time.perf_counter() - tick
-            waited = strategy.take_wait_seconds()
+            waited = result.wait_s
             elapsed += self.straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
             meter.add(result.examples, elapsed, waited, result.loss)
             totals.add(result.examples, elapsed, waited, result.loss)
@@ -130,7 +133,7 @@ class Trainer:
                 last_interval_loss = record["loss"]
                 meter = IntervalMeter()
             if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
-                run_log.histograms(strategy.unwrap(), done)
+                run_log.histograms(strategy.module, done)
             if s.data.test is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 \
                     and done != s.total_steps:
                 last_eval = self._evaluate(run_log, done)
@@ -148,19 +151,19 @@ class Trainer:
         step (every rank asks at every step; nothing is read but a flag until a stop is requested)."""
         if self.stop.requested is None:
             return False
-        target = self.stopping.stop_step(done, self._ends_with_collective, self.s.total_steps)
+        target = self.stopping.stop_step(done, self._ends_with_collective, self.session.total_steps)
         return target is not None and done >= target
 
     def _ends_with_collective(self, step: int) -> bool:
         """Whether every trainer rank takes part in a collective within step ``step``: the strategy's own
         (sync's all-reduce, a pipeline step, an averaging step) or a log point's."""
-        return self.strategy.syncs_at(step) or step % self.config.log.log_every == 0
+        return self.strategy.layout.meets_at(step) or step % self.config.log.log_every == 0
 
     def _stopped(self, step: int, totals: IntervalMeter, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         """End the run at ``step`` after a stop request: a checkpoint there (if the run has a directory), no
         evaluation, no saved model; the summary's ``stopped`` says where it can resume."""
-        s, name = self.s, self.stop.requested
+        s, name = self.session, self.stop.requested
         path = None
         if s.checkpointer and step > s.start_step:  # (nothing trained by this run: its start is what it had)
             self._checkpoint(step)
@@ -199,7 +202,7 @@ class Trainer:
         raise DivergedError(step, loss)
 
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
-        s = self.s
+        s = self.session
         # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers
         per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
                                                     meter.mean_loss, self.guard.first_bad(),
@@ -228,11 +231,11 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, run_log: RunLog, step: int) -> tuple[float, float | None]:
         self._check_finite()
-        s, topo = self.s, self.topology
+        s, topo = self.session, self.topology
         was_training = s.model.training
         s.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
-        for x, y in eval_batches(s.data.test, self.config.train.eval_batch_size, s.shard, topo.device):
+        for x, y in eval_batches(s.data.test, self.config.train.eval_batch_size, s.slice, topo.device):
             with s.devices.context():
                 part = self.strategy.eval_step(x, y)
             if part is not None:
@@ -247,7 +250,7 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         self._check_finite()
         self.timed.reset()
-        s = self.s
+        s = self.session
         state = s.state_dict(step)  # every rank: the strategy gathers the model, the session the RNG states
         if self.topology.is_main:
             path = s.checkpointer.save(state, step)  # None: not written, warned (--on-checkpoint-error warn)
@@ -259,14 +262,14 @@ class Trainer:
         if not path:
             return
         self._check_finite()
-        weights = self.strategy.model_state_dict()  # every rank: a strategy may gather the model's parts
+        state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
         if self.topology.is_main:
-            atomic_save({k: v.detach().cpu() for k, v in weights.items()}, path)
-            self.s.log.info(f"model saved to {path}")
+            atomic_save({k: v.detach().cpu() for k, v in state["model"].items()}, path)
+            self.session.log.info(f"model saved to {path}")
 
     def _summary(self, step: int, totals: IntervalMeter, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
-        s = self.s
+        s = self.session
         eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
         eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
         strategy_numbers = self.strategy.summary_metrics()  # collective over the trainers
@@ -289,4 +292,4 @@ class Trainer:
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
-    return Trainer(config, ctx.topology, model=model, data=data, stop=getattr(ctx, "stop", None)).fit()
+    return Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout).fit()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polytrain.distributed.p2p import Channel
-from polytrain.strategies.ps import Layout, ParameterClient, ParameterServer, PartitionPlan, StalenessPolicy
+from polytrain.strategies.ps import Ranks, ParameterClient, ParameterServer, PartitionPlan, StalenessPolicy
 
 LR = 0.1
 
@@ -56,7 +56,7 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "dying": DyingSGD, "hanging": HangingSGD}
 def ps_job(ctx, cfg: dict):
     """cfg: workers, servers, steps, bound, scale, timeout, optimizer, sleep (s, max per step), duplicate,
     device (the workers' model)."""
-    layout = Layout(cfg["workers"], cfg["servers"])
+    layout = Ranks(cfg["workers"], cfg["servers"])
     channel = Channel(ctx.topology.group, cfg.get("timeout", 30), layout.name, me=layout.name(ctx.rank))
     model = make_model()
     plan = plan_for(model, layout.servers)

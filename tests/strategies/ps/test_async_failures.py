@@ -24,7 +24,7 @@ def _sigkill_self() -> None:
 class ServerKilledAtItsFifthUpdate(AsyncParameterServer):
     name = "test-async-server-killed"
 
-    def build_server(self, make_optimizer, dtype):
+    def _build_server(self, make_optimizer, dtype):
         def dying(params):
             optimizer = make_optimizer(params)
             step, count = optimizer.step, [0]
@@ -38,16 +38,16 @@ class ServerKilledAtItsFifthUpdate(AsyncParameterServer):
             optimizer.step = step_or_die
             return optimizer
 
-        return super().build_server(dying, dtype)
+        return super()._build_server(dying, dtype)
 
 
 class WorkerKilledAtStep4(AsyncParameterServer):
     name = "test-async-worker-killed"
 
-    def train_step(self, batch):
-        if self.topology.rank == 1 and self.clock == 4:
+    def train_step(self, batch, lr):
+        if self.topology.rank == 1 and batch.step == 4:  # every worker's loop reaches step 4, slices or none
             _sigkill_self()
-        return super().train_step(batch)
+        return super().train_step(batch, lr)
 
 
 def _fit(strategy, **settings):

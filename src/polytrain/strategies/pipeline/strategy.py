@@ -32,13 +32,19 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from polytrain.data.batches import Batch
+from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.options import option, register_section
-from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.strategies.pipeline import plan, split
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
 from polytrain.strategies.step import StepResult, loss_divisor
+
+
+#: what --strategy pipeline is told of hybrid's mesh settings (strategies/settings.py)
+_MESH = ("{given}: the mesh of --strategy hybrid; --strategy {strategy} has one replica of --stages stages "
+         "(drop {them}, or use hybrid)")
 
 
 @register_section("pipeline", "strategies pipeline and hybrid", order=74)
@@ -53,72 +59,59 @@ class PipelineConfig:
     split_at: str = option("auto", "pipeline, hybrid: units that start stages 1.. (blocks.2,blocks.4), or "
                                    "auto (balanced by each unit's measured forward+backward time)",
                            metavar="UNITS|auto")
-    dp: int | None = option(None, "hybrid: data-parallel replicas (default: --workers / --pp)", minimum=1)
-    pp: int | None = option(None, "hybrid: pipeline stages per replica (default: --stages)", minimum=2)
+    dp: int | None = option(None, "hybrid: data-parallel replicas (default: --workers / --pp)", minimum=1,
+                            strategies=("hybrid",), elsewhere=_MESH)
+    pp: int | None = option(None, "hybrid: pipeline stages per replica (default: --stages)", minimum=2,
+                            strategies=("hybrid",), elsewhere=_MESH)
 
 
 @register_strategy
 class Pipeline(Strategy):
     name = "pipeline"
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
-    multiprocess = True
     config_section = "pipeline"
+
+    def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
+        if not topology.distributed:
+            raise ConfigError(f"--strategy {self.name} needs one process per stage; it cannot run in one process")
+        super().__init__(topology, options, layout)
 
     # -- layout and checks before launch ------------------------------------------------------------
 
     @classmethod
-    def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
+    def _shape(cls, workers: int | None, options: PipelineConfig | None) -> tuple[int, int]:
         """(replicas D, stages P)."""
-        return 1, cls.options_or_defaults(options).stages
+        return 1, (options if options is not None else PipelineConfig()).stages
 
     @classmethod
-    def processes(cls, workers: int, options: Any = None) -> int:
-        dp, pp = cls.shape(workers, options)
-        return dp * pp
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        dp, pp = cls._shape(workers, options)
+        return Layout(cls.name, ("trainer",) * (dp * pp), (("dp", dp), ("pp", pp)), dp)
 
     @classmethod
-    def data_slices(cls, workers: int, options: Any = None) -> int:
-        return cls.shape(workers, options)[0]
-
-    @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        opts = cls.options_or_defaults(options)
-        dp, pp = cls.shape(workers, opts)
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        """The batch in micro-batches, a schedule that fits, and what needs the model: enough units for the
+        stages, ``--split-at`` naming units. Builds the model on the meta device (no memory) when it is given
+        by name; a factory that needs the data's real shape is checked in the workers instead."""
+        opts, accumulate = getattr(config, cls.config_section), config.train.accumulate
+        dp, pp = layout.axis("dp"), layout.axis("pp")
+        global_batch = config.global_batch(layout.slices)
         if accumulate != 1:
             raise ConfigError(f"--strategy {cls.name} accumulates over its --microbatches; pass --microbatches "
                               f"{opts.microbatches * accumulate} instead of --accumulate {accumulate}")
-        cls.check_batch(dp, global_batch, 1)
+        check_batch(dp, global_batch, 1)
         per = global_batch // dp
         if per % opts.microbatches:
             raise ConfigError(f"--microbatches {opts.microbatches} does not divide each pipeline's batch of "
                               f"{per} examples; pass a divisor of {per} or another --batch-size")
         plan.check_schedule(opts.schedule, pp, opts.microbatches)
-
-    @classmethod
-    def check_config(cls, config: Any, model: nn.Module | None) -> None:
-        """What needs the model: enough units for the stages, ``--split-at`` naming units. Builds the model
-        on the meta device (no memory) when it is given by name; a factory that needs the data's real
-        shape is checked in the workers instead."""
         if config.train.loss != "task":
             raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
                               "--loss model needs the whole model in one process")
-        opts = getattr(config, cls.config_section)
-        given = [f"--{key} {value}" for key, value in (("dp", opts.dp), ("pp", opts.pp)) if value is not None]
-        if given and cls is Pipeline:
-            raise ConfigError(f"{' and '.join(given)}: the mesh of --strategy hybrid; --strategy pipeline has one "
-                              "replica of --stages stages "
-                              f"(drop {'them' if len(given) > 1 else 'it'}, or use hybrid)")
-        _, pp = cls.shape(1, opts) if cls is Pipeline else (None, opts.pp or opts.stages)
         if model is None and config.model.model != "auto":
             model = _meta_model(config)
         if model is not None:
             check_split(model, pp * plan.schedule_info(opts.schedule).chunks, opts.split_at)
-
-    def arrange(self, topology: Any) -> Any:
-        if not topology.distributed:
-            raise ConfigError(f"--strategy {self.name} needs one process per stage; it cannot run in one process")
-        pp = self.options.stages if type(self) is Pipeline else _hybrid_pp(self.options)
-        return topology.arranged(dp=topology.world_size // pp, pp=pp)
 
     # -- model -------------------------------------------------------------------------------------
 
@@ -194,8 +187,9 @@ class Pipeline(Strategy):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def train_step(self, batch: Batch) -> StepResult:
+    def train_step(self, batch: Batch, lr: float) -> StepResult:
         assert self.optimizer is not None
+        self._set_lr(lr)
         opts = self.options
         self._ensure_stages(batch.inputs[: len(batch) // opts.microbatches])
         self.optimizer.zero_grad(set_to_none=True)
@@ -216,7 +210,7 @@ class Pipeline(Strategy):
         if self.recipe.clip_grad_norm is not None:
             self._clip(self.recipe.clip_grad_norm)
         with self.phase("optimizer"):
-            self.optimizer_step(self.optimizer)
+            self._optimizer_step(self.optimizer)
         if 0 in self.mine:  # examples counted once per pipeline
             self.traffic.examples += len(batch)
         loss = torch.stack(losses).sum().detach() if self.num_stages - 1 in self.mine else None
@@ -280,7 +274,9 @@ class Pipeline(Strategy):
     def _mine(self, key: str) -> bool:
         return key.startswith(self._owned_keys)
 
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def _whole_model(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on the trainers' rank 0 (None elsewhere): each stage's tensors
+        gathered from the first replica. Collective."""
         whole = self.model.state_dict()
         if self.split is None:  # not cut yet: every rank holds the same whole model
             return whole if self.trainers.is_main else None
@@ -292,8 +288,10 @@ class Pipeline(Strategy):
             whole.update(part)
         return whole
 
-    def state_dict(self) -> dict[str, Any] | None:
-        model = self.model_state_dict()
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        model = self._whole_model()
+        if not optimizer:
+            return None if model is None else {"model": model}
         assert self.optimizer is not None
         optimizer = self.optimizer.state_dict()  # indices are the whole model's; each rank holds its stages'
         states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
@@ -317,9 +315,13 @@ class Hybrid(Pipeline):
     summary = "data parallel x pipeline: --dp D replicas of a --pp P stage pipeline on a 2-D mesh"
 
     @classmethod
-    def shape(cls, workers: int, options: PipelineConfig | None) -> tuple[int, int]:
-        opts = cls.options_or_defaults(options)
+    def _shape(cls, workers: int | None, options: PipelineConfig | None) -> tuple[int, int]:
+        """``--dp`` x ``--pp``; without ``--workers``, the product of the two; a ``--workers`` that disagrees
+        with them is an error."""
+        opts = options if options is not None else PipelineConfig()
         pp = _hybrid_pp(opts)
+        if workers is None:
+            workers = (opts.dp or DEFAULT_WORKERS // pp or 1) * pp
         dp = opts.dp if opts.dp is not None else max(1, workers // pp)
         if dp * pp != workers:
             raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp} = {dp * pp} processes, but --workers "

@@ -4,10 +4,10 @@ and the ``async`` strategy built on them (:mod:`.strategy`, registered by :mod:`
 
 from polytrain.strategies.ps.book import ServerBook, UpdateRecord
 from polytrain.strategies.ps.client import ParameterClient
-from polytrain.strategies.ps.layout import Layout
+from polytrain.strategies.ps.ranks import Ranks
 from polytrain.strategies.ps.partition import PartitionPlan, Piece, TensorSpec
 from polytrain.strategies.ps.server import ParameterServer
 from polytrain.strategies.ps.staleness import StalenessPolicy
 
-__all__ = ["Layout", "ParameterClient", "ParameterServer", "PartitionPlan", "Piece", "ServerBook",
+__all__ = ["Ranks", "ParameterClient", "ParameterServer", "PartitionPlan", "Piece", "ServerBook",
            "StalenessPolicy", "TensorSpec", "UpdateRecord"]

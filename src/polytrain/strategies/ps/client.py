@@ -15,9 +15,9 @@ from torch import nn
 
 from polytrain.distributed.p2p import HEADER_LEN, Channel, float_bits, header
 from polytrain.errors import CommunicationError
-from polytrain.strategies.ps.layout import (DONE, DROPPED, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE,
+from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE,
                                             STATS, TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET,
-                                            Layout)
+                                            Ranks)
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.state import StateLayout
 
@@ -35,9 +35,9 @@ class Records:
 
 
 class ParameterClient:
-    def __init__(self, channel: Channel, layout: Layout, plan: PartitionPlan, model: nn.Module):
+    def __init__(self, channel: Channel, ranks: Ranks, plan: PartitionPlan, model: nn.Module):
         self.channel = channel
-        self.layout = layout
+        self.ranks = ranks
         self.plan = plan
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         dtype = next(iter(self.params.values())).dtype
@@ -56,7 +56,7 @@ class ParameterClient:
         state; training starts at step ``start_clock`` (every worker's first push is clock ``start_clock``)."""
         me, sends = self.channel.rank, []
         values = self._values(self.params)
-        for s, rank in enumerate(self.layout.server_ranks):
+        for s, rank in enumerate(self.ranks.server_ranks):
             sends.append((header(INIT, me, start_clock, int(state is not None)), rank, TAG_REQUEST))
             parts = [values[s]] + list(state[s] if state is not None else [])
             sends += [(t, rank, TAG_REQUEST_DATA) for t in parts if t.numel()]
@@ -69,7 +69,7 @@ class ParameterClient:
         (and one more to the other servers, if any). Returns the slice's ticket (global step ``t // N``, slice
         ``t % N``), or None when every slice up to ``step`` is taken (then nothing is loaded). ``wait``: None
         only once every slice up to ``step`` is applied; until then, wait for a lost worker's slice to compute."""
-        first = self.layout.server_ranks[0]
+        first = self.ranks.server_ranks[0]
         sends = self._push_messages(*done) if done is not None else []
         sends.append((header(TICKET, self.channel.rank, step, int(wait)), first, TAG_REQUEST))
         head = torch.empty(HEADER_LEN, dtype=torch.int64)
@@ -85,8 +85,8 @@ class ParameterClient:
         self.versions[0], self.updates[0] = version, updates
         self.plan.unflatten(self.buffers[0], 0, self.params)
         stales = [stale]
-        if self.layout.servers > 1:
-            self._ask(PULL, ticket // self.layout.workers, self.layout.server_ranks[1:], ticket=ticket)
+        if self.ranks.servers > 1:
+            self._ask(PULL, ticket // self.ranks.workers, self.ranks.server_ranks[1:], ticket=ticket)
             stales.append(self.last_staleness)
         self.last_staleness = max(stales)
         return ticket
@@ -111,7 +111,7 @@ class ParameterClient:
         """Each server's optimizer state (None: none yet) once every slice of the steps before ``step`` is applied."""
         heads = self._post_request(STATE, step)
         out: list[list[torch.Tensor] | None] = []
-        for s, rank in enumerate(self.layout.server_ranks):
+        for s, rank in enumerate(self.ranks.server_ranks):
             if not self._check_reply(heads[s], rank)[3]:
                 out.append(None)
                 continue
@@ -125,7 +125,7 @@ class ParameterClient:
         """Every server's update records once the steps before ``step`` are applied."""
         heads = self._post_request(STATS, step)
         out = Records()
-        for s, rank in enumerate(self.layout.server_ranks):
+        for s, rank in enumerate(self.ranks.server_ranks):
             count, dup, lost, skipped = self._check_reply(heads[s], rank)[1:5]
             parts = [torch.empty(count, RECORD_WIDTH, dtype=torch.int64), torch.empty(lost, dtype=torch.int64),
                      torch.empty(skipped, dtype=torch.int64)]
@@ -158,7 +158,7 @@ class ParameterClient:
                   ticket: int = -1) -> list:
         me = self.channel.rank
         sends = []
-        for s, rank in enumerate(self.layout.server_ranks):
+        for s, rank in enumerate(self.ranks.server_ranks):
             sends.append((header(kind, me, clock, self.versions[s], extra, ticket), rank, TAG_REQUEST))
             if values is not None and values[s].numel():
                 sends.append((values[s], rank, TAG_REQUEST_DATA))
@@ -167,8 +167,8 @@ class ParameterClient:
     def _ask(self, kind: int, clock: int, ranks: Sequence[int] | None = None, ticket: int = -1) -> list[int]:
         """Post the answers' receives first, then ask (every server, or ``ranks``; a pull says for which
         ``ticket``): no server ever waits for us to listen."""
-        ranks = list(self.layout.server_ranks if ranks is None else ranks)
-        indices = [self.layout.server_index(rank) for rank in ranks]
+        ranks = list(self.ranks.server_ranks if ranks is None else ranks)
+        indices = [self.ranks.server_index(rank) for rank in ranks]
         heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in ranks]
         recvs = []
         for head, s, rank in zip(heads, indices, ranks):
@@ -194,16 +194,16 @@ class ParameterClient:
 
     def _post_request(self, kind: int, clock: int) -> list[torch.Tensor]:
         """Ask every server; the reply headers (what follows them differs by server: read separately)."""
-        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in self.layout.server_ranks]
+        heads = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in self.ranks.server_ranks]
         self._exchange(sends=[(header(kind, self.channel.rank, clock), rank, TAG_REQUEST)
-                                     for rank in self.layout.server_ranks],
-                              recvs=[(heads[s], rank, TAG_REPLY) for s, rank in enumerate(self.layout.server_ranks)])
+                                     for rank in self.ranks.server_ranks],
+                              recvs=[(heads[s], rank, TAG_REPLY) for s, rank in enumerate(self.ranks.server_ranks)])
         return heads
 
     def _check_reply(self, head: torch.Tensor, rank: int) -> list[int]:
         """The header's values after the kind: [sender, a, b, c, d]; raises if it is no reply."""
         answer, *rest = head.tolist()
         if answer != REPLY:
-            raise CommunicationError(f"{self.channel.me}: {self.layout.name(rank)} answered with message "
+            raise CommunicationError(f"{self.channel.me}: {self.ranks.name(rank)} answered with message "
                                      f"kind {answer} instead of a reply")
         return rest

@@ -50,9 +50,9 @@ from polytrain.errors import CommunicationError
 from polytrain.log import get_logger
 from polytrain.strategies.ps.book import ServerBook
 from polytrain.strategies.ps.inbox import Inbox, WatchedInbox
-from polytrain.strategies.ps.layout import (DONE, DROPPED, INIT, KIND_NAMES, LOST, PULL, PUSH, READ, RECORD_WIDTH,
+from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, KIND_NAMES, LOST, PULL, PUSH, READ, RECORD_WIDTH,
                                             REPLY, STATE, STATS, TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST,
-                                            TAG_REQUEST_DATA, TICKET, Layout)
+                                            TAG_REQUEST_DATA, TICKET, Ranks)
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.staleness import StalenessPolicy
 from polytrain.strategies.ps.state import StateLayout
@@ -64,13 +64,13 @@ MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class ParameterServer:
-    def __init__(self, channel: Channel, layout: Layout, plan: PartitionPlan, policy: StalenessPolicy,
+    def __init__(self, channel: Channel, ranks: Ranks, plan: PartitionPlan, policy: StalenessPolicy,
                  make_optimizer: MakeOptimizer, *, scale: float = 1.0, dtype: torch.dtype = torch.float32,
                  lost: LostRanks | None = None):
         self.channel = channel
-        self.layout = layout
+        self.ranks = ranks
         self.plan = plan
-        self.index = layout.server_index(channel.rank)
+        self.index = ranks.server_index(channel.rank)
         self.scale = scale
         self.flat = torch.zeros(plan.numel(self.index), dtype=dtype)
         self.grad = torch.zeros_like(self.flat)
@@ -81,7 +81,7 @@ class ParameterServer:
         self.state_layout = StateLayout.probe(make_optimizer, dtype)
         #: workers the job goes on without (--tolerate-worker-loss); the first server learns of their loss
         self.lost = lost if lost is not None and lost.expendable else None
-        self.book = ServerBook(layout.worker_ranks, policy, layout.name, tolerant=self.lost is not None)
+        self.book = ServerBook(ranks.worker_ranks, policy, ranks.name, tolerant=self.lost is not None)
         self._mopping: dict[int, int] = {}  # worker -> step: a ticket request that waits for a requeued slice
         self._snapshot: torch.Tensor | None = None  # bound 0: what pulls get until the version advances
         self._waiting: list[tuple[int, int, int]] = []  # (kind, worker, step): reads until caught up
@@ -115,11 +115,11 @@ class ParameterServer:
         return WatchedInbox(self.channel, TAG_REQUEST, expected, self.lost)
 
     def _receive_init(self) -> None:
-        first = self.layout.worker_ranks[0]
+        first = self.ranks.worker_ranks[0]
         kind, worker, start, has_state, *_ = self.channel.recv_header(first, TAG_REQUEST)
         if kind != INIT or worker != first:
             raise CommunicationError(f"{self.channel.me}: expected the initial parameters from "
-                                     f"{self.layout.name(first)}, got '{KIND_NAMES.get(kind, kind)}'")
+                                     f"{self.ranks.name(first)}, got '{KIND_NAMES.get(kind, kind)}'")
         self._recv_values(self.flat, first)
         if has_state:
             sizes = self.state_layout.sizes(self.plan, self.index)
@@ -132,7 +132,7 @@ class ParameterServer:
         self._take_snapshot()
 
     def _handle(self, kind: int, worker: int, a: int, b: int, c: int = 0, d: int = 0) -> None:
-        if kind == LOST and self.lost is not None and worker == self.layout.server_ranks[0]:
+        if kind == LOST and self.lost is not None and worker == self.ranks.server_ranks[0]:
             self._abandon(lost=a, count=b)
         elif worker in self.book.lost:
             self._from_lost(kind, worker)
@@ -193,14 +193,14 @@ class ParameterServer:
         none. ``wait``: rather than -1, wait until a lost worker's slice comes back or every slice up to
         ``step`` is applied (the first worker before it reads the values: it may be the only one left)."""
         if self.index != 0:
-            raise CommunicationError(f"{self.channel.me}: {self.layout.name(worker)} asked for a ticket; only "
+            raise CommunicationError(f"{self.channel.me}: {self.ranks.name(worker)} asked for a ticket; only "
                                      "the first parameter server hands them out")
         ticket = self.book.take_ticket(worker, step)
         if ticket is None and wait and not self.book.caught_up(step + 1):
             self._mopping[worker] = step
         elif ticket is None:
             self._answer_ticket(worker, -1)
-        elif self.book.pull(worker, ticket // self.layout.workers):
+        elif self.book.pull(worker, ticket // self.ranks.workers):
             self._reply(worker, self._pulled(), ticket=ticket)
         else:
             self._tickets[worker] = ticket  # goes with the deferred answer
@@ -219,9 +219,9 @@ class ParameterServer:
         back = self.book.lose(worker)
         self._tickets.pop(worker, None)
         self._mopping.pop(worker, None)
-        get_logger().warning(f"{self.channel.me}: {self.layout.name(worker)} lost ({reason}); "
+        get_logger().warning(f"{self.channel.me}: {self.ranks.name(worker)} lost ({reason}); "
                              f"{len(back)} slice(s) it held go to the other workers")
-        for rank in self.layout.server_ranks[1:]:
+        for rank in self.ranks.server_ranks[1:]:
             sends = [(header(LOST, self.channel.rank, worker, len(back)), rank, TAG_REQUEST)]
             if back:
                 sends.append((torch.tensor(back, dtype=torch.int64), rank, TAG_REQUEST_DATA))
@@ -231,7 +231,7 @@ class ParameterServer:
         """Another server: the first one says worker ``lost`` is gone and handed ``count`` slices out again."""
         back = torch.empty(count, dtype=torch.int64)
         if count:
-            self.channel.recv(back, self.layout.server_ranks[0], TAG_REQUEST_DATA)
+            self.channel.recv(back, self.ranks.server_ranks[0], TAG_REQUEST_DATA)
         self.book.abandon(lost, back.tolist())
         self._tickets.pop(lost, None)
         self._apply_held()

@@ -43,20 +43,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polytrain.data.batches import Batch, Shard
+from polytrain.data.batches import Batch, Slice
+from polytrain.distributed.layout import Layout
 from polytrain.distributed.p2p import Channel
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
-from polytrain.strategies.base import OptimizerFactory, Strategy, register_strategy
+from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy, register_strategy
 from polytrain.strategies.ps.client import ParameterClient
-from polytrain.strategies.ps.layout import Layout
+from polytrain.strategies.ps.ranks import Ranks
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.server import ParameterServer
 from polytrain.strategies.ps.staleness import StalenessPolicy
 from polytrain.strategies.ps.state import StateLayout
 from polytrain.strategies.ps.stats import StalenessWindow, staleness_summary
-from polytrain.strategies.step import StepRecipe, StepResult, forward_backward
+from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 
 
 @register_section("async", "strategy async (parameter servers)", order=71)
@@ -78,11 +79,20 @@ class AsyncConfig:
 class AsyncParameterServer(Strategy):
     name = "async"
     summary = "asynchronous data parallel: parameter servers apply each worker's gradient as it arrives"
-    multiprocess = True
     config_section = "async"
 
-    def __init__(self, topology: Topology, options: AsyncConfig | None = None):
-        super().__init__(topology, options)
+    def __init__(self, topology: Topology, options: AsyncConfig | None = None, layout: Layout | None = None):
+        if not topology.distributed:
+            raise ConfigError("--strategy async needs its parameter server processes: run it through "
+                              "polytrain train or polytrain.fit, which start --workers + --servers processes")
+        super().__init__(topology, options, layout)
+        self.ranks = Ranks(self.layout.processes - self.options.servers, self.options.servers)
+        if topology.backend == "gloo":
+            wire = topology.group
+        else:  # every rank takes part in creating the group (new_group is collective over the world)
+            wire = dist.new_group(list(range(topology.world_size)), timeout=topology.timeout, backend="gloo")
+        self.channel = Channel(wire, topology.timeout, self.ranks.name, me=self.ranks.name(topology.rank))
+        self.source: RunSource | None = None  # any step's batch and LR (out_of_order.bind)
         self.policy = StalenessPolicy(self.options.staleness)
         self.clock = 0  # this worker's next push (its own count; tells a retried push from a new one)
         self.step = 0  # the trainers' next step: every trainer is at the same one at log/eval/checkpoint points
@@ -95,76 +105,31 @@ class AsyncParameterServer(Strategy):
         self._ahead: int | None = None  # a slice of the trainers' next step, taken before it began
         self._ahead_loaded = False  # whether the model holds the values pulled for it
         self._global_batch = 0
-        self.tolerant = bool(self.options.tolerate_worker_loss) and self.layout.workers > 1
+        self.tolerant = bool(self.options.tolerate_worker_loss) and self.ranks.workers > 1
         self._slices = 0  # slices this worker computed
+        self._role = self.layout.role(topology.rank)
+        if self._role != "server":
+            self.out_of_order = _Tickets(self)  # every worker draws whole batches; its tickets say which slice
 
     # -- layout ---------------------------------------------------------------------------------------
 
     @classmethod
-    def processes(cls, workers: int, options: Any = None) -> int:
-        return workers + cls.options_or_defaults(options).servers
-
-    @classmethod
-    def data_slices(cls, workers: int, options: Any = None) -> int:
-        return workers
-
-    @classmethod
-    def expendable_ranks(cls, workers: int, options: Any = None) -> list[int]:
-        return list(range(1, workers)) if cls.options_or_defaults(options).tolerate_worker_loss else []
-
-    @classmethod
-    def rank_names(cls, workers: int, options: Any = None) -> list[str]:
-        layout = Layout(workers, cls.options_or_defaults(options).servers)
-        return [layout.name(rank) for rank in range(layout.world_size)]
-
-    @classmethod
-    def check(cls, workers: int, global_batch: int, accumulate: int, options: Any = None) -> None:
-        opts = cls.options_or_defaults(options)
-        Layout(workers, opts.servers)
-        cls.check_batch(workers, global_batch, accumulate)
-
-    def arrange(self, topology: Topology) -> Topology:
-        servers = self.options.servers
-        if not topology.distributed:
-            raise ConfigError("--strategy async needs its parameter server processes: run it through "
-                              "polytrain train or polytrain.fit, which start --workers + --servers processes")
-        self.layout = Layout(topology.world_size - servers, servers)
-        # every rank takes part in creating each group (new_group is collective over the world)
-        group = dist.new_group(self.layout.worker_ranks, timeout=topology.timeout)
-        wire = topology.group if topology.backend == "gloo" else \
-            dist.new_group(list(range(topology.world_size)), timeout=topology.timeout, backend="gloo")
-        rank = topology.rank
-        self.channel = Channel(wire, topology.timeout, self.layout.name, me=self.layout.name(rank))
-        if self.options.tolerate_worker_loss:
-            # no collective may wait for a worker that can die: each worker is a trainers' group of its own
-            # (worker 0 evaluates every test example; a helper reads the checkpoint it resumes from itself)
-            self._trainers = replace(topology, rank=0, world_size=1, group=None)
-        elif self.layout.role(rank) == "trainer":
-            self._trainers = replace(topology, world_size=self.layout.workers, group=group)
-        else:  # a server builds the same session (data slice 0) but never reduces metrics with the trainers
-            self._trainers = replace(topology, rank=0, world_size=self.layout.workers, group=None)
-        return topology
-
-    @property
-    def role(self) -> str:
-        role = self.layout.role(self.topology.rank)
-        return "helper" if role == "trainer" and self.topology.rank > 0 and self.tolerant else role
-
-    @property
-    def trainers(self) -> Topology:
-        return self._trainers
-
-    def batch_slices(self) -> int:
-        # every worker's trainers' group may be its own (--tolerate-worker-loss): a step is still N slices
-        return self.layout.workers
-
-    def step_shards(self, global_batch: int, accumulate: int, data_workers: int = 0,
-                    deterministic: bool = False) -> Shard | Callable[[int], Shard]:
-        self._global_batch = global_batch  # for describe(): what one push holds
-        return Shard(0, 1)  # every worker draws whole global batches: which slice it computes comes with its ticket
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        """Workers first (ranks 0..N-1), then the servers. Each step is N slices, whoever computes them; the
+        workers meet only at the trainer's log points. With ``--tolerate-worker-loss`` worker 0 alone runs the
+        trainer's loop and workers 1..N-1 are helpers the job may lose."""
+        opts = options if options is not None else AsyncConfig()
+        ranks = Ranks(workers or DEFAULT_WORKERS, opts.servers)
+        n = ranks.workers
+        tolerant = bool(opts.tolerate_worker_loss) and n > 1
+        roles = ["helper" if tolerant and 0 < rank < n else ranks.role(rank) for rank in range(ranks.world_size)]
+        trainers = roles.count("trainer")
+        return Layout(cls.name, tuple(roles), (("dp", trainers),), n,
+                      names=tuple(ranks.name(rank) for rank in range(ranks.world_size)),
+                      expendable=tuple(range(1, n)) if opts.tolerate_worker_loss else (), meets_every=0)
 
     def describe(self) -> str:
-        n, s = self.layout.workers, self.layout.servers
+        n, s = self.ranks.workers, self.ranks.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
         if self.tolerant:
@@ -185,34 +150,32 @@ class AsyncParameterServer(Strategy):
             raise ConfigError(f"--strategy async: the model's parameters have several dtypes ({', '.join(dtypes)}); "
                               "parameter servers keep one dtype: convert the model to one")
         dtype = next(model.parameters()).dtype
-        self.plan = PartitionPlan.for_model(model.named_parameters(), self.layout.servers)
+        self.plan = PartitionPlan.for_model(model.named_parameters(), self.ranks.servers)
         self.state_layout = StateLayout.probe(make_optimizer, dtype)
-        if self.role == "server":
+        if self._role == "server":
             self.model = model  # the server's values live in its flat buffer; this copy only names them
-            self.server = self.build_server(make_optimizer, dtype)
+            self.server = self._build_server(make_optimizer, dtype)
             self.optimizer = self.server.optimizer
+            self.own_loop = _ServerLoop(self.server)
             return model
+        if self._role == "helper":
+            self.own_loop = _HelperLoop(self)
         self.model = model.to(self.topology.device)
         if place is not None:
             place(self.model)
         # never stepped: it gives a checkpoint single's param_groups and its lr follows the schedule
         self.optimizer = make_optimizer(self.model.parameters())
-        self.client = ParameterClient(self.channel, self.layout, self.plan, self.model)
+        self.client = ParameterClient(self.channel, self.ranks, self.plan, self.model)
         return self.model
 
-    def build_server(self, make_optimizer: OptimizerFactory, dtype: torch.dtype) -> ParameterServer:
+    def _build_server(self, make_optimizer: OptimizerFactory, dtype: torch.dtype) -> ParameterServer:
         """This server rank's :class:`ParameterServer` (a test subclass makes one that fails on purpose)."""
-        return ParameterServer(self.channel, self.layout, self.plan, self.policy, make_optimizer,
-                               scale=1.0 / self.layout.workers, dtype=dtype, lost=self.topology.lost)
-
-    def serve(self) -> dict[str, Any]:
-        if self.role == "helper":
-            return self._help()
-        return {"role": "server", **self.server.serve()}
+        return ParameterServer(self.channel, self.ranks, self.plan, self.policy, make_optimizer,
+                               scale=1.0 / self.ranks.workers, dtype=dtype, lost=self.topology.lost)
 
     def _help(self) -> dict[str, Any]:
         """A helper's loop: slices of any step, until every slice of the run is handed out."""
-        assert self.source is not None, "the trainer binds the run's source before serve()"
+        assert self.source is not None, "the trainer binds the run's source before the helper's loop"
         last, pushed = self.source.total_steps - 1, None
         while (ticket := self._next_slice(last, pushed)) is not None:
             pushed = self._compute(ticket)
@@ -225,7 +188,7 @@ class AsyncParameterServer(Strategy):
         if self._connected:
             return
         self._connected = True
-        if self.topology.rank == self.layout.worker_ranks[0]:
+        if self.topology.rank == self.ranks.worker_ranks[0]:
             state = None
             if self._initial_state is not None:
                 state = self.state_layout.from_single(self.plan, self._initial_state.get("state", {}),
@@ -235,19 +198,20 @@ class AsyncParameterServer(Strategy):
 
     # -- the step -------------------------------------------------------------------------------------
 
-    def set_lr(self, lr: float) -> None:
+    def _set_lr(self, lr: float) -> None:
         self._lr = lr  # travels with this step's push: the servers apply the schedule of the step it is for
-        super().set_lr(lr)
+        super()._set_lr(lr)
 
-    def train_step(self, batch: Batch) -> StepResult:
+    def train_step(self, batch: Batch, lr: float) -> StepResult:
         """Every slice of ``batch`` (a whole global batch) that this worker gets a ticket for, one by one.
 
         Each request (carrying the last slice's push) asks for a slice of this step or the next, so a worker
         that finds this step's slices all taken gets its next one in the same round trip; a slice of the next
         step is kept for the next call, its values already pulled (pulled again if a read replaced them)."""
         assert self.model is not None, "call prepare() first"
+        self._set_lr(lr)
         self._connect()
-        n, step, losses, examples = self.layout.workers, batch.step, [], 0
+        n, step, losses, examples = self.ranks.workers, batch.step, [], 0
         ticket, self._ahead = self._ahead, None
         if ticket is not None and not self._ahead_loaded:
             self._pull(step)  # evaluation or a checkpoint read the servers since the ticket came
@@ -264,26 +228,26 @@ class AsyncParameterServer(Strategy):
                 pushed = self._compute(ticket)
             ticket = self._next_slice(step + 1, pushed)  # carries this slice's push
         if ticket is not None and ticket // n != step + 1:
-            raise CommunicationError(f"{self.layout.name(self.topology.rank)} got slice {ticket} of step "
+            raise CommunicationError(f"{self.ranks.name(self.topology.rank)} got slice {ticket} of step "
                                      f"{ticket // n} while at step {step}: the workers' steps disagree")
         self._ahead, self._ahead_loaded = ticket, ticket is not None
         self.step = step + 1
         self.traffic.examples += examples
         # a slice's loss is its share of the step's (as sync's slices); their mean estimates the step's
         loss = torch.stack(losses).mean() if losses else None
-        return StepResult(loss, examples)
+        return StepResult(loss, examples, self._take_wait())
 
     def _slice(self, batch: Batch, ticket: int) -> Batch:
-        part = Shard(ticket % self.layout.workers, self.layout.workers)
+        part = Slice(ticket % self.ranks.workers, self.ranks.workers)
         return replace(batch, inputs=part.take(batch.inputs), targets=part.take(batch.targets))
 
     def _compute(self, ticket: int) -> tuple[int, float, int]:
         """The gradient of slice ``ticket`` of any step, from that step's batch; returns its push (clock, lr,
         ticket). A helper's slices, or an earlier step's slice that a lost worker held."""
-        step = ticket // self.layout.workers
+        step = ticket // self.ranks.workers
         started = time.perf_counter()
         self._gradient(self._slice(self.source.batch_at(step), ticket))
-        self.traffic.examples += self._global_batch // self.layout.workers
+        self.traffic.examples += self._global_batch // self.ranks.workers
         self.source.after_slice(time.perf_counter() - started, step)
         pushed = (self.clock, float(self.source.lr_at(step)), ticket)
         self.clock += 1
@@ -314,9 +278,8 @@ class AsyncParameterServer(Strategy):
         self.model.zero_grad(set_to_none=True)
         recipe = self.recipe
         # the replicas' gradients are summed by the servers at 1/N each, as sync averages them
-        extra = {"loss": recipe.loss} if hasattr(recipe, "loss") else {}  # --loss, where the step supports it
-        loss = forward_backward(self.model, batch, recipe.task, self.layout.workers, recipe.accumulate,
-                                lambda model, enabled: contextlib.nullcontext(), self.backward, **extra)
+        loss = forward_backward(self.model, batch, recipe.task, self.ranks.workers, recipe.accumulate,
+                                lambda model, enabled: contextlib.nullcontext(), self._backward, loss=recipe.loss)
         if recipe.clip_grad_norm is not None:  # no global gradient here: each push is clipped alone
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         return loss
@@ -351,10 +314,7 @@ class AsyncParameterServer(Strategy):
 
     # -- metrics ----------------------------------------------------------------------------------------
 
-    def syncs_at(self, step: int) -> bool:
-        return False  # the workers meet only at the trainer's log points
-
-    def take_wait_seconds(self) -> float:
+    def _take_wait(self) -> float:
         waited, self._waited = self._waited, 0.0
         return waited
 
@@ -368,33 +328,32 @@ class AsyncParameterServer(Strategy):
             records = self.client.records(self.step)
             out.update(staleness_summary(records.rows, records.duplicates, self.policy.bound))
             if self.tolerant:
-                out.update(workers=self.layout.workers, workers_lost=sorted(records.lost),
+                out.update(workers=self.ranks.workers, workers_lost=sorted(records.lost),
                            slices_skipped=records.skipped)
         return out
 
     # -- the whole model's state ----------------------------------------------------------------------
 
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        """The servers' values at the trainers' step (and their optimizer state in single's layout), on the
+        trainers' rank 0."""
         if not self.trainers.is_main:
             return None
         self._refresh()
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def state_dict(self) -> dict[str, Any] | None:
-        model = self.model_state_dict()
-        if model is None:
-            return None
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if not optimizer:
+            return {"model": model}
         per_server = self.client.optimizer_state(self.step, self.state_layout)
-        optimizer = self.optimizer.state_dict()  # single's param_groups (never stepped: no state of its own)
-        optimizer["state"] = self.state_layout.to_single(self.plan, per_server, dict(self.model.named_parameters()))
-        return {"model": model, "optimizer": optimizer}
+        whole = self.optimizer.state_dict()  # single's param_groups (never stepped: no state of its own)
+        whole["state"] = self.state_layout.to_single(self.plan, per_server, dict(self.model.named_parameters()))
+        return {"model": model, "optimizer": whole}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.role == "server":
+        if self._role == "server":
             return  # the servers get the values and optimizer state from trainer rank 0 (_connect)
         self.model.load_state_dict(state["model"])
         self.clock = self.step = int(state.get("step", 0))
-        self._initial_state = state["optimizer"] if self.topology.rank == self.layout.worker_ranks[0] else None
+        self._initial_state = state["optimizer"] if self.topology.rank == self.ranks.worker_ranks[0] else None
 
 
 @contextlib.contextmanager
@@ -411,3 +370,35 @@ def _training(model: nn.Module) -> Iterator[None]:
 
 def _ranks(first: int, stop: int) -> str:
     return f"rank {first}" if stop - first == 1 else f"ranks {first}-{stop - 1}"
+
+
+class _ServerLoop:
+    """A parameter server's own loop (capability ``own_loop``): serve until every worker is done."""
+
+    def __init__(self, server: ParameterServer):
+        self.server = server
+
+    def run(self, source: RunSource) -> dict[str, Any]:
+        return {"role": "server", **self.server.serve()}
+
+
+class _HelperLoop:
+    """An ``--tolerate-worker-loss`` helper's own loop: slices of any step until none is left."""
+
+    def __init__(self, strategy: AsyncParameterServer):
+        self.strategy = strategy
+
+    def run(self, source: RunSource) -> dict[str, Any]:
+        return self.strategy._help()
+
+
+class _Tickets:
+    """Capability ``out_of_order``: a worker draws whole global batches and computes the slices its tickets
+    name, of any step (a helper's, or one a lost worker held)."""
+
+    def __init__(self, strategy: AsyncParameterServer):
+        self.strategy = strategy
+
+    def bind(self, source: RunSource) -> None:
+        self.strategy.source = source
+        self.strategy._global_batch = source.global_batch  # for describe(): what one push holds

@@ -1,11 +1,11 @@
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.strategies.ps.layout import Layout
+from polytrain.strategies.ps.ranks import Ranks
 
 
 def test_workers_come_first_then_servers():
-    layout = Layout(workers=3, servers=2)
+    layout = Ranks(workers=3, servers=2)
     assert layout.world_size == 5
     assert layout.worker_ranks == [0, 1, 2] and layout.server_ranks == [3, 4]
     assert [layout.role(r) for r in range(5)] == ["trainer"] * 3 + ["server"] * 2
@@ -15,6 +15,6 @@ def test_workers_come_first_then_servers():
 
 def test_bad_counts_are_one_line_errors():
     with pytest.raises(ConfigError, match="--servers must be >= 1, got 0"):
-        Layout(2, 0)
+        Ranks(2, 0)
     with pytest.raises(ConfigError, match="--workers must be >= 1, got 0"):
-        Layout(0, 1)
+        Ranks(0, 1)

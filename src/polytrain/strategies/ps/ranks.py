@@ -1,4 +1,5 @@
-"""Which ranks train and which serve: workers first (ranks 0..N-1, so rank 0 is a trainer), then servers."""
+"""A parameter-server job's ranks, workers first (ranks 0..N-1, so rank 0 trains), then servers; and the
+messages between them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ RECORD_WIDTH = 6  # an update record's row: [worker, clock, ticket, read version
 
 
 @dataclass(frozen=True)
-class Layout:
+class Ranks:
     workers: int
     servers: int
 

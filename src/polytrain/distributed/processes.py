@@ -1,0 +1,105 @@
+"""The launcher's helper processes from multiprocessing: how workers start (a forkserver that has imported
+torch once), the forkserver made ready while a stop signal can still end the launch, and both helpers (the
+forkserver and the resource tracker) ended before the command exits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from polytrain.distributed.stop import StopSignal
+from polytrain.errors import ConfigError
+
+
+#: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
+#: (a worker is up in a fraction of a second instead of importing torch anew); ``spawn`` is the fallback
+#: for environments where forking is not wanted: set ``POLYTRAIN_START_METHOD=spawn``
+START_METHODS = ("forkserver", "spawn")
+
+
+_PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.worker",
+            "polytrain.train.trainer"]
+
+
+def start_context() -> Any:
+    method = os.environ.get("POLYTRAIN_START_METHOD", "forkserver")
+    if method not in START_METHODS:
+        raise ConfigError(f"POLYTRAIN_START_METHOD={method}: must be one of {', '.join(START_METHODS)}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # only read when the forkserver starts (once per launcher process)
+    return ctx
+
+
+def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
+    """Start the forkserver (it imports torch first: seconds) in a thread, while this one stays ready to
+    stop: a signal meanwhile ends the launch at once (no worker exists yet) instead of after the import."""
+    if stop is None or ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    # spawned from this (main) thread: the kernel ends the forkserver when the thread that started it ends
+    forkserver.ensure_running()
+    done = threading.Event()
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # killed at the command's end if the launch was stopped meanwhile
+            proc = ctx.Process(target=_ready, name="polytrain-warmup")
+            proc.start()
+            proc.join()
+        done.set()
+
+    threading.Thread(target=start, name="polytrain-forkserver-start", daemon=True).start()
+    while not done.wait(0.05):
+        stop.check()
+
+
+def _ready() -> None:
+    """The forkserver's first child: nothing to do (it proves the forkserver has imported and forks)."""
+
+
+def stop_helper_processes(timeout: float = 5.0) -> None:
+    """End this process's multiprocessing forkserver and resource tracker now (they would outlive the
+    command by seconds otherwise, which a scheduler sees as a job still running). The forkserver holds
+    nothing to clean up and may still be importing torch: it is killed; the resource tracker is asked to end
+    (it removes what a killed worker left registered) and killed after ``timeout`` seconds. Reaches into
+    multiprocessing's own bookkeeping (``_forkserver``, ``_resource_tracker``): the standard library stops
+    them only at exit."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner, pid_attr, fd_attr, grace in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid",
+                                             "_forkserver_alive_fd", 0.0),
+                                            (getattr(resource_tracker, "_resource_tracker", None), "_pid", "_fd",
+                                             timeout)):
+        pid, fd = getattr(owner, pid_attr, None), getattr(owner, fd_attr, None)
+        if pid is None or fd is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.close(fd)  # its end of the "alive" pipe: the helper exits when every copy is closed
+        setattr(owner, fd_attr, None)
+        setattr(owner, pid_attr, None)
+        _reap(pid, grace)
+
+
+def _reap(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.01)
