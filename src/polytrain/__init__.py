@@ -32,7 +32,7 @@ _EXPORTS = {
     **{name: "polytrain.strategies" for name in ("Strategy", "available_strategies", "get_strategy",
                                                  "register_strategy")},
     "Checkpointer": "polytrain.train.checkpoint",
-    "Schedule": "polytrain.train.schedules", "parse_schedule": "polytrain.train.schedules",
+    "LRSchedule": "polytrain.train.lr_schedules", "parse_lr_schedule": "polytrain.train.lr_schedules",
     "seed_everything": "polytrain.train.session",
     "Trainer": "polytrain.train.trainer",
 }

@@ -19,7 +19,7 @@ def test_cases_are_single_then_every_schedule_and_m_it_accepts_with_the_theory()
     assert skipped == ["1f1b M=1: --schedule 1f1b needs --microbatches >= --stages (1 < 2); pass more "
                        "micro-batches or --schedule gpipe"]
     by_key = {c.key: c for c in chosen}
-    assert by_key["gpipe_m8"].theoretical_speedup() == pytest.approx(2 * 8 / 9)  # the 2M/(M+P-1)
+    assert by_key["gpipe_m8"].theoretical_speedup() == pytest.approx(2 * 8 / 9)  # 2M/(M+P-1)
     assert by_key["gpipe_m1"].theoretical_speedup() == pytest.approx(1)
     # v = 2 chunks per rank: bubble (P-1)/(vM+P-1) = 1/17
     assert by_key["interleaved-1f1b_m8"].theoretical_bubble() == pytest.approx(1 / 17)
@@ -83,7 +83,7 @@ def test_single_runs_every_few_cases_and_each_run_is_compared_with_the_single_ru
     assert rows["ceiling"]["per_process_vs_single_per_repeat"] == pytest.approx([0.75, 1.0])
     # against the ceiling runs around it (90 and 50, for both): 120/70, 70/70
     assert rows["gpipe_m2"]["efficiency_at_ceiling"] == pytest.approx((120 / 70 + 1) / 2 / (4 / 3), abs=1e-4)
-    # the bar: M=8, P=2, at least 0.85 x 16/9 = 1.511: 240/((140+60)/2), 80/((60+40)/2)
+    # the target: M=8, P=2, at least 0.85 x 16/9 = 1.511: 240/((140+60)/2), 80/((60+40)/2)
     assert rows["gpipe_m8"]["speedup_per_repeat"] == pytest.approx([2.4, 1.6], abs=1e-4)
     assert rows["gpipe_m8"]["met"] is True
     assert "met" in format_text(doc) and "| gpipe, P=2, M=8 | 160.0 | 2.000 | 1.778 |" in format_markdown(doc)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import polytrain
 from polytrain.data.batches import BatchPlan, Slice, SlicedBatches
 from polytrain.data.buckets import BucketedBatchPlan, batch_plan
 from polytrain.data.sentences import Sentences
@@ -50,3 +51,22 @@ def test_fixed_windows_and_no_window_keep_the_plain_plan():
     assert type(batch_plan(DATA, 4, bucket_window=None)) is BatchPlan
     with pytest.raises(ValueError, match="lengths of all 5 examples"):
         BucketedBatchPlan(5, 2, lengths=torch.ones(4))
+
+
+def _bucketed_run(tmp_path, strategy, workers, **more):
+    corpus = tmp_path / "sentences.txt"
+    if not corpus.exists():
+        gen = torch.Generator().manual_seed(5)
+        corpus.write_text("".join("word " * int(n) + "end.\n" for n in torch.randint(1, 12, (240,), generator=gen)))
+    return polytrain.fit(strategy=strategy, workers=workers, data=f"sentences:{corpus},bucket_window=4",
+                         model="rnn_lm:hidden=32", steps=12, batch_size=16, lr=0.1, seed=2, eval_every=0,
+                         progress="off", log_every=12, **more)
+
+
+def test_a_run_on_bucketed_sentences_trains_alike_on_one_worker_and_two(tmp_path):
+    """``sentences:FILE,bucket_window=W``: the plan every rank draws from; sync still equals single."""
+    single = _bucketed_run(tmp_path, "single", 1)
+    sync = _bucketed_run(tmp_path, "sync", 2)
+    assert sync["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+    with pytest.raises(polytrain.PolytrainError, match="bucket_window must be a whole number"):
+        polytrain.fit(data=f"sentences:{tmp_path / 'sentences.txt'},bucket_window=0", steps=1)

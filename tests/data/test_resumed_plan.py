@@ -87,9 +87,9 @@ def test_a_position_that_does_not_fit_the_data_is_one_error():
 
 
 def test_the_lr_moves_from_the_saved_runs_to_the_new_one():
-    from polytrain.train.schedules import parse_schedule
+    from polytrain.train.lr_schedules import parse_lr_schedule
 
-    target = parse_schedule("cosine", 0.2, 100)
+    target = parse_lr_schedule("cosine", 0.2, 100)
     ramp = reshard.Rescaled(target, 40, 0.05, 3)
     assert [ramp(s) for s in (40, 41, 42)] == pytest.approx(
         [0.05 + (target(s) - 0.05) * k / 4 for s, k in ((40, 1), (41, 2), (42, 3))])

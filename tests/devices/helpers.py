@@ -21,7 +21,7 @@ class ListHandler(logging.Handler):
 
 
 class Net(nn.Module):
-    """features (Linear, ReLU) then classifier (Linear): the shape of the issue's examples."""
+    """features (Linear, ReLU) then classifier (Linear): the shape of the background articles' examples."""
 
     def __init__(self, inputs: int = 4, hidden: int = 8, classes: int = 3):
         super().__init__()

@@ -204,7 +204,7 @@ def _workers(namespace: str) -> list[int]:
             and "torch.distributed.run" not in cmdline(p)]
 
 
-DETECTION_BOUND_S = 20.0  # issue 17: within ~10-20 s; --heartbeat-timeout's default is 8 s
+DETECTION_BOUND_S = 20.0  # a lost machine is named within ~10-20 s; --heartbeat-timeout's default is 8 s
 EXIT_BOUND_S = 30.0  # the node's torchrun agent, once its worker ended: it reaps it and closes the rendezvous
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from polytrain.errors import ConfigError
-from polytrain.train.checkpoint import (Checkpointer, atomic_save, capture_rng, check_checkpoint_dir, load_checkpoint,
+from polytrain.train.checkpoint import (Checkpointer, capture_rng, check_checkpoint_dir, load_checkpoint,
                                          restore_rng)
+from polytrain.train.files import atomic_save
 
 
 def test_save_keeps_newest_and_points_latest(tmp_path):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from polytrain.errors import CheckpointError
-from polytrain.train.checkpoint import Checkpointer, estimate_bytes
+from polytrain.train.checkpoint import Checkpointer
+from polytrain.train.files import estimate_bytes
 from polytrain.train.integrity import verify
 
 PAGE = 4096  # tmpfs counts whole pages

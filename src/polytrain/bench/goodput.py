@@ -1,4 +1,4 @@
-"""Goodput under failures: ``python -m polytrain.bench.goodput`` (issue 17).
+"""Goodput under failures: ``python -m polytrain.bench.goodput``.
 
 One job (``--workers 4`` CPU processes, ``sync``, ``digits_cnn``), in one invocation:
 
@@ -9,7 +9,7 @@ One job (``--workers 4`` CPU processes, ``sync``, ``digits_cnn``), in one invoca
   them and resumes from the latest checkpoint, redoing the steps since. goodput = useful steps / wall time
   relative to the clean run = ``clean_s / failing_s``.
 
-A failure every N steps of a short run is far more often than the bar's one per 5 minutes, and on a shared
+A failure every N steps of a short run is far more often than one per 5 minutes, and on a shared
 machine the wall times of two long runs differ by more than a restart costs, so the cost of one failure is
 also measured directly, in parts:
 

@@ -147,7 +147,7 @@ def format_markdown(doc: dict[str, Any]) -> str:
              "pipeline's own losses, without the machine's.",
              "", "| case | examples/s | speed-up | theoretical | efficiency | efficiency at ceiling | bubble theor. | "
                  "bubble sim. | bubble measured (per stage) | busy s/step (per stage) | idle s/step (per stage) | "
-                 "speed-up per repeat | bar |",
+                 "speed-up per repeat | target |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
     for row in doc["rows"]:
         if row["strategy"] == "single":

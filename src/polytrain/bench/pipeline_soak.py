@@ -1,6 +1,6 @@
 """``polytrain bench --suite pipeline-soak``: every pipeline configuration of the parity tests, run long.
 
-The issue asks that "a run of 200 steps per configuration never hangs". Each configuration (P=2 and 4,
+A run of 200 steps per configuration must never hang. Each configuration (P=2 and 4,
 M in {P, 2P}, every schedule the installed torch provides that accepts them, and hybrid dp 2 x pp 2) runs
 as its own ``polytrain train`` process on a tiny ``transformer_lm`` with evaluation every 100 steps, under
 a wall-clock limit: past it, the process group is killed and the configuration is reported ``hung``. A run

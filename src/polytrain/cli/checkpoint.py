@@ -64,7 +64,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from polytrain.errors import ConfigError
-    from polytrain.train.checkpoint import atomic_save
+    from polytrain.train.files import atomic_save
 
     _check_export_path(args.out)
     _, verdicts = _verdicts(args.dir)

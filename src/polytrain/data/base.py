@@ -40,6 +40,8 @@ class DataBundle:
     default_model: str = "mlp"
     vocab_size: int | None = None
     seq_len: int | None = None
+    #: batches of examples of similar length, sorted within windows of this many global batches (None: off)
+    bucket_window: int | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -91,15 +91,26 @@ def _file(file: str | None) -> str:
 
 
 def check_sentences(file: str | None = None, test_file: str | None = None,
-                    test_fraction: float = TEST_FRACTION) -> int:
-    """Validate the file(s) (exist, not empty, UTF-8); the number of training sentences."""
+                    test_fraction: float = TEST_FRACTION, bucket_window: int | None = None) -> int:
+    """Validate the file(s) (exist, not empty, UTF-8) and the window; the number of training sentences."""
+    _check_window(bucket_window)
     return len(_splits(_file(file), test_file, test_fraction)[0])
 
 
-def sentences(file: str | None = None, test_file: str | None = None,
-              test_fraction: float = TEST_FRACTION) -> DataBundle:
+def sentences(file: str | None = None, test_file: str | None = None, test_fraction: float = TEST_FRACTION,
+              bucket_window: int | None = None) -> DataBundle:
+    """``bucket_window=W``: batches of sentences of similar length, sorted within windows of W global batches
+    (:mod:`polytrain.data.buckets`: less padding; every sentence still once an epoch). Off by default."""
+    _check_window(bucket_window)
     train, test = _splits(_file(file), test_file, test_fraction)
     longest = max(train.max_len, test.max_len)
     return DataBundle(name=f"sentences:{file}", train=train, test=test, input_shape=(longest,),
                       num_classes=VOCAB_SIZE, task="lm", default_model="rnn_lm", vocab_size=VOCAB_SIZE,
-                      seq_len=longest)
+                      seq_len=longest, bucket_window=bucket_window)
+
+
+def _check_window(bucket_window: int | None) -> None:
+    if bucket_window is not None and (isinstance(bucket_window, bool) or not isinstance(bucket_window, int)
+                                      or bucket_window < 1):
+        raise DataError(f"sentences: bucket_window must be a whole number of global batches >= 1, "
+                        f"got {bucket_window!r}")

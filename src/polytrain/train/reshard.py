@@ -20,7 +20,7 @@ from typing import Any
 
 from polytrain.data.batches import BatchPlan, Resumed
 from polytrain.errors import ConfigError
-from polytrain.train.schedules import Schedule
+from polytrain.train.lr_schedules import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -84,20 +84,20 @@ def total_steps(plan: BatchPlan, steps: int | None, epochs: int | None) -> int:
 
 @dataclass(frozen=True)
 class Rescaled:
-    """``schedule``, but for ``steps`` steps from ``start`` moving linearly from ``from_lr`` to it: step
-    ``start + j`` runs at ``from_lr + (schedule(start + j) - from_lr) * (j + 1) / (steps + 1)``."""
+    """``lr_schedule``, but for ``steps`` steps from ``start`` moving linearly from ``from_lr`` to it: step
+    ``start + j`` runs at ``from_lr + (lr_schedule(start + j) - from_lr) * (j + 1) / (steps + 1)``."""
 
-    schedule: Schedule
+    lr_schedule: LRSchedule
     start: int
     from_lr: float
     steps: int
 
     @property
     def base_lr(self) -> float:
-        return self.schedule.base_lr
+        return self.lr_schedule.base_lr
 
     def lr_at(self, step: int) -> float:
-        target = self.schedule(step)
+        target = self.lr_schedule(step)
         j = step - self.start
         if not 0 <= j < self.steps:
             return target
@@ -106,7 +106,7 @@ class Rescaled:
     __call__ = lr_at
 
     def __str__(self) -> str:
-        return str(self.schedule)
+        return str(self.lr_schedule)
 
 
 def saved_lr(state: dict[str, Any]) -> float | None:

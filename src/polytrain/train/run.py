@@ -25,7 +25,7 @@ from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for, registered
 from polytrain.strategies.settings import check_settings_read
 from polytrain.train.checkpoint import check_checkpoint_dir
-from polytrain.train.schedules import parse_schedule
+from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.straggler import check_stragglers
 from polytrain.train.trainer import train_worker
@@ -58,7 +58,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     strategy.check(layout, config, model)
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
-    parse_schedule(config.optim.lr_schedule, config.optim.lr, 1)
+    parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")
     if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:

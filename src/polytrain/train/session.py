@@ -20,6 +20,7 @@ from torch import nn
 from polytrain.config import RunConfig, to_toml
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import BatchPlan, Slice
+from polytrain.data.buckets import batch_plan
 from polytrain.devices.host_memory import describe_host_memory
 from polytrain.devices.placement import model_devices
 from polytrain.devices.runtime import DeviceRuntime
@@ -37,7 +38,7 @@ from polytrain.train.integrity import signature
 from polytrain.train import reshard
 from polytrain.train.optim import build_optimizer
 from polytrain.train.reshard import DataPosition
-from polytrain.train.schedules import Schedule, parse_schedule, scaled_lr
+from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
 from polytrain.tasks import Task, check_takes_labels, get_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
@@ -68,7 +69,7 @@ class Session:
     plan: BatchPlan
     model: nn.Module  # this rank's prepared model (wrapped, or a pipeline stage)
     task: Task
-    lr_schedule: Schedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
+    lr_schedule: LRSchedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
     total_steps: int
     checkpointer: Checkpointer | None
     #: the slices the trainer draws: ``slice``, the whole batch (work handed out at run time), or a function
@@ -146,7 +147,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     global_batch = config.global_batch(slices)
     check_batch(slices, global_batch, config.train.accumulate)
     try:
-        plan = BatchPlan(len(data.train), global_batch, config.train.seed)
+        plan = batch_plan(data.train, global_batch, config.train.seed, data.bucket_window)
     except ValueError as exc:
         raise ConfigError(f"--batch-size: {exc}; use a smaller batch or fewer workers") from None
     total_steps = reshard.total_steps(plan, config.train.steps, config.train.epochs)
@@ -165,7 +166,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
                              place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
-    lr_schedule = parse_schedule(config.optim.lr_schedule, lr, total_steps)
+    lr_schedule = parse_lr_schedule(config.optim.lr_schedule, lr, total_steps)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
     session = Session(config, topology, data, strategy, mine, plan, model, task, lr_schedule, total_steps,
@@ -274,12 +275,16 @@ def _continue_data(s: Session, state: dict[str, Any]) -> None:
     """Continue the checkpoint's data position (at its global batch or another, see :mod:`.reshard`), with
     the steps left and the LR that follow."""
     position = DataPosition.saved(state, s.plan.num_examples)
-    s.plan = reshard.continue_plan(s.plan, position, s.start_step)
+    try:
+        s.plan = reshard.continue_plan(s.plan, position, s.start_step)
+    except ValueError as exc:  # a bucketed plan continues only at its own global batch
+        raise ConfigError(f"--resume: the checkpoint was made with global batch {position.global_batch}: {exc}; "
+                          f"resume with that batch size") from None
     if s.plan.resumed is None:
         return
     cfg = s.config
     s.total_steps = reshard.total_steps(s.plan, cfg.train.steps, cfg.train.epochs)
-    schedule = parse_schedule(cfg.optim.lr_schedule, s.lr_schedule.base_lr, s.total_steps)
+    schedule = parse_lr_schedule(cfg.optim.lr_schedule, s.lr_schedule.base_lr, s.total_steps)
     s.lr_schedule = schedule
     r, old_batch = s.plan.resumed, position.global_batch
     s.log.info(f"--resume: global batch {old_batch} -> {s.plan.global_batch}: epoch {r.epoch} continues from "

@@ -37,7 +37,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError, RunStopped
 from polytrain.strategies.step import RunSource
 from polytrain.train import session
-from polytrain.train.checkpoint import atomic_save
+from polytrain.train.files import atomic_save
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence

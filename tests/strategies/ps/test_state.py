@@ -7,7 +7,7 @@ from torch import nn
 
 from polytrain.errors import ConfigError
 from polytrain.strategies.ps import PartitionPlan, ServerBook, StalenessPolicy
-from polytrain.strategies.ps.state import StateLayout
+from polytrain.strategies.ps.state import StateFormat
 from polytrain.strategies.ps.stats import StalenessWindow, staleness_summary
 
 
@@ -44,7 +44,7 @@ def _server_optimizers(plan, make, layout, per_server):
 def test_single_state_goes_to_split_servers_and_comes_back_equal(make):
     model = _model()
     optimizer = _stepped(model, make)
-    layout = StateLayout.probe(make)
+    layout = StateFormat.probe(make)
     plan = PartitionPlan.for_model(model.named_parameters(), 3, min_split=64)  # the 40x30 weight is cut
     assert plan.split_tensors()
     params = dict(model.named_parameters())
@@ -60,9 +60,9 @@ def test_single_state_goes_to_split_servers_and_comes_back_equal(make):
 
 
 def test_plain_sgd_keeps_no_state_and_a_server_before_its_first_update_has_none():
-    layout = StateLayout.probe(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    layout = StateFormat.probe(lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert layout.empty
-    adam = StateLayout.probe(lambda ps: torch.optim.Adam(ps))
+    adam = StateFormat.probe(lambda ps: torch.optim.Adam(ps))
     param = nn.Parameter(torch.zeros(3))
     assert adam.pack(torch.optim.Adam([param]), [param]) is None
     plan = PartitionPlan.for_model(_model().named_parameters(), 2)
@@ -76,7 +76,7 @@ def test_a_checkpoint_missing_some_parameters_state_is_refused():
     del state[2]
     plan = PartitionPlan.for_model(model.named_parameters(), 2)
     with pytest.raises(ConfigError, match=r"lacks parameter\(s\) 2.weight; async restores the state of every"):
-        StateLayout.probe(make).from_single(plan, state, dict(model.named_parameters()))
+        StateFormat.probe(make).from_single(plan, state, dict(model.named_parameters()))
 
 
 def test_staleness_of_a_gradient_is_the_most_any_server_saw():
@@ -124,4 +124,4 @@ def test_an_optimizer_state_that_is_not_tensors_is_refused():
     with pytest.raises(ConfigError, match=r"^--strategy async: the optimizer's state 'count' \(int\) cannot be kept on "
                                           r"parameter servers; use one of --optimizer's choices \(sgd, adam, "
                                           r"adamw, rmsprop, adagrad\)$"):
-        StateLayout.probe(lambda ps: _Counting(ps, lr=0.1))
+        StateFormat.probe(lambda ps: _Counting(ps, lr=0.1))

@@ -1,5 +1,5 @@
-"""Asynchronous data parallel through parameter servers (issue 14): plan, staleness policy, server, client,
-and the ``async`` strategy built on them (:mod:`.strategy`, registered by :mod:`polytrain.strategies`).
+"""Asynchronous data parallel through parameter servers: the partition of the parameters, the staleness policy,
+the server, the client, and the ``async`` strategy built on them (:mod:`.strategy`, registered by :mod:`polytrain.strategies`).
 """
 
 from polytrain.strategies.ps.book import ServerBook, UpdateRecord

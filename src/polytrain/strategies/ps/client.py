@@ -19,7 +19,7 @@ from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, PULL, PUSH, READ
                                             STATS, TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET,
                                             Ranks)
 from polytrain.strategies.ps.partition import PartitionPlan
-from polytrain.strategies.ps.state import StateLayout
+from polytrain.strategies.ps.state import StateFormat
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ParameterClient:
 
     def send_initial(self, start_clock: int = 0, state: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
         """First worker only, before anyone's first pull: the model's values become the servers' values, and
-        ``state`` (each server's optimizer state, as :meth:`StateLayout.from_single` cuts it) their optimizer
+        ``state`` (each server's optimizer state, as :meth:`StateFormat.from_single` cuts it) their optimizer
         state; training starts at step ``start_clock`` (every worker's first push is clock ``start_clock``)."""
         me, sends = self.channel.rank, []
         values = self._values(self.params)
@@ -107,7 +107,7 @@ class ParameterClient:
         (0: at once), for saving or evaluating."""
         return self._ask(READ, step)
 
-    def optimizer_state(self, step: int, layout: StateLayout) -> list[list[torch.Tensor] | None]:
+    def optimizer_state(self, step: int, state_format: StateFormat) -> list[list[torch.Tensor] | None]:
         """Each server's optimizer state (None: none yet) once every slice of the steps before ``step`` is applied."""
         heads = self._post_request(STATE, step)
         out: list[list[torch.Tensor] | None] = []
@@ -115,8 +115,8 @@ class ParameterClient:
             if not self._check_reply(heads[s], rank)[3]:
                 out.append(None)
                 continue
-            dtypes = [self.buffers[s].dtype] * len(layout.tensors) + [torch.float64] * len(layout.scalars)
-            flat = [torch.empty(n, dtype=d) for n, d in zip(layout.sizes(self.plan, s), dtypes)]
+            dtypes = [self.buffers[s].dtype] * len(state_format.tensors) + [torch.float64] * len(state_format.scalars)
+            flat = [torch.empty(n, dtype=d) for n, d in zip(state_format.sizes(self.plan, s), dtypes)]
             self._exchange(recvs=[(t, rank, TAG_REPLY_DATA) for t in flat if t.numel()])
             out.append(flat)
         return out

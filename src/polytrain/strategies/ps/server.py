@@ -19,7 +19,7 @@ when the version last advanced, so every slice of step ``s`` is computed on the 
   worker's slice comes back (then hand it) or every slice up to ``step`` is applied (then -1);
 * pull ``[PULL, w, step, 0, 0, ticket]`` (the servers after the first, for the slice server 0 handed);
 * init ``[INIT, w, start step, has state, 0, 0]``: the values, then (has state) the optimizer state as
-  :class:`~.state.StateLayout` lays it out; a resumed run starts at ``start step``;
+  :class:`~.state.StateFormat` lays it out; a resumed run starts at ``start step``;
 * push ``[PUSH, w, clock, read version, lr bits, ticket]``: the gradient, applied at the learning rate the
   worker's schedule gave for that step (a NaN: the optimizer's own); ticket -1: the worker's fixed slice;
 * read, state and stats ``[KIND, w, step, 0, 0, 0]`` are answered once every slice of the steps before ``step``
@@ -55,7 +55,7 @@ from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, KIND_NAMES, LOST
                                             TAG_REQUEST_DATA, TICKET, Ranks)
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.staleness import StalenessPolicy
-from polytrain.strategies.ps.state import StateLayout
+from polytrain.strategies.ps.state import StateFormat
 
 if TYPE_CHECKING:
     from polytrain.distributed.lost import LostRanks
@@ -78,7 +78,7 @@ class ParameterServer:
         for param, piece in zip(self.params, plan.pieces_of(self.index)):
             param.grad = self.grad[piece.offset:piece.offset + piece.numel]
         self.optimizer = make_optimizer(self.params)
-        self.state_layout = StateLayout.probe(make_optimizer, dtype)
+        self.state_format = StateFormat.probe(make_optimizer, dtype)
         #: workers the job goes on without (--tolerate-worker-loss); the first server learns of their loss
         self.lost = lost if lost is not None and lost.expendable else None
         self.book = ServerBook(ranks.worker_ranks, policy, ranks.name, tolerant=self.lost is not None)
@@ -122,12 +122,12 @@ class ParameterServer:
                                      f"{self.ranks.name(first)}, got '{KIND_NAMES.get(kind, kind)}'")
         self._recv_values(self.flat, first)
         if has_state:
-            sizes = self.state_layout.sizes(self.plan, self.index)
-            keys = self.state_layout
+            sizes = self.state_format.sizes(self.plan, self.index)
+            keys = self.state_format
             dtypes = [self.flat.dtype] * len(keys.tensors) + [torch.float64] * len(keys.scalars)
             flat = [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
             self.channel.exchange(recvs=[(t, first, TAG_REQUEST_DATA) for t in flat if t.numel()])
-            self.state_layout.unpack(self.optimizer, self.params, flat)
+            self.state_format.unpack(self.optimizer, self.params, flat)
         self.book.start_at(start)
         self._take_snapshot()
 
@@ -312,7 +312,7 @@ class ParameterServer:
         self._send(worker, sends)
 
     def _send_state(self, worker: int) -> None:
-        flat = self.state_layout.pack(self.optimizer, self.params)
+        flat = self.state_format.pack(self.optimizer, self.params)
         sends = [(header(REPLY, self.channel.rank, self.book.version(), self.book.updates, int(flat is not None)),
                   worker, TAG_REPLY)]
         sends += [(t, worker, TAG_REPLY_DATA) for t in flat or [] if t.numel()]

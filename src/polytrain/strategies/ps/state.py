@@ -2,7 +2,7 @@
 
 A server's optimizer sees one 1-D parameter per piece of its partition (see :mod:`.server`), so its state
 is per piece. A checkpoint holds the state as ``single`` saves it: ``{"state": {i: {key: tensor}},
-"param_groups": [...]}`` with ``i`` the model parameter's index. :class:`StateLayout` says which keys the
+"param_groups": [...]}`` with ``i`` the model parameter's index. :class:`StateFormat` says which keys the
 optimizer keeps: *tensor* keys hold one value per element (SGD's ``momentum_buffer``, Adam's ``exp_avg``
 and ``exp_avg_sq``), *scalar* keys one value per parameter (Adam's ``step``). It is found by stepping the
 same optimizer once on a throwaway parameter, on both sides, so the wire carries no key names: a server
@@ -26,12 +26,12 @@ MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
-class StateLayout:
+class StateFormat:
     tensors: tuple[str, ...]  # keys holding a tensor shaped like the parameter
     scalars: tuple[tuple[str, torch.dtype], ...]  # keys holding a 0-d tensor, with its dtype
 
     @classmethod
-    def probe(cls, make_optimizer: MakeOptimizer, dtype: torch.dtype = torch.float32) -> "StateLayout":
+    def probe(cls, make_optimizer: MakeOptimizer, dtype: torch.dtype = torch.float32) -> "StateFormat":
         """The keys ``make_optimizer``'s optimizer keeps, from one step on a throwaway parameter."""
         param = nn.Parameter(torch.zeros(3, dtype=dtype))
         param.grad = torch.zeros_like(param)

@@ -50,12 +50,13 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
 from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy, register_strategy
+from polytrain.strategies.ps.capabilities import HelperLoop, ServerLoop, Tickets
 from polytrain.strategies.ps.client import ParameterClient
 from polytrain.strategies.ps.ranks import Ranks
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.server import ParameterServer
 from polytrain.strategies.ps.staleness import StalenessPolicy
-from polytrain.strategies.ps.state import StateLayout
+from polytrain.strategies.ps.state import StateFormat
 from polytrain.strategies.ps.stats import StalenessWindow, staleness_summary
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 
@@ -109,7 +110,7 @@ class AsyncParameterServer(Strategy):
         self._slices = 0  # slices this worker computed
         self._role = self.layout.role(topology.rank)
         if self._role != "server":
-            self.out_of_order = _Tickets(self)  # every worker draws whole batches; its tickets say which slice
+            self.out_of_order = Tickets(self)  # every worker draws whole batches; its tickets say which slice
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -151,15 +152,15 @@ class AsyncParameterServer(Strategy):
                               "parameter servers keep one dtype: convert the model to one")
         dtype = next(model.parameters()).dtype
         self.plan = PartitionPlan.for_model(model.named_parameters(), self.ranks.servers)
-        self.state_layout = StateLayout.probe(make_optimizer, dtype)
+        self.state_format = StateFormat.probe(make_optimizer, dtype)
         if self._role == "server":
             self.model = model  # the server's values live in its flat buffer; this copy only names them
             self.server = self._build_server(make_optimizer, dtype)
             self.optimizer = self.server.optimizer
-            self.own_loop = _ServerLoop(self.server)
+            self.own_loop = ServerLoop(self.server)
             return model
         if self._role == "helper":
-            self.own_loop = _HelperLoop(self)
+            self.own_loop = HelperLoop(self)
         self.model = model.to(self.topology.device)
         if place is not None:
             place(self.model)
@@ -191,7 +192,7 @@ class AsyncParameterServer(Strategy):
         if self.topology.rank == self.ranks.worker_ranks[0]:
             state = None
             if self._initial_state is not None:
-                state = self.state_layout.from_single(self.plan, self._initial_state.get("state", {}),
+                state = self.state_format.from_single(self.plan, self._initial_state.get("state", {}),
                                                       dict(self.model.named_parameters()))
             self.client.send_initial(self.step, state)
             self._initial_state = None
@@ -343,9 +344,9 @@ class AsyncParameterServer(Strategy):
         model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if not optimizer:
             return {"model": model}
-        per_server = self.client.optimizer_state(self.step, self.state_layout)
+        per_server = self.client.optimizer_state(self.step, self.state_format)
         whole = self.optimizer.state_dict()  # single's param_groups (never stepped: no state of its own)
-        whole["state"] = self.state_layout.to_single(self.plan, per_server, dict(self.model.named_parameters()))
+        whole["state"] = self.state_format.to_single(self.plan, per_server, dict(self.model.named_parameters()))
         return {"model": model, "optimizer": whole}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,35 +371,3 @@ def _training(model: nn.Module) -> Iterator[None]:
 
 def _ranks(first: int, stop: int) -> str:
     return f"rank {first}" if stop - first == 1 else f"ranks {first}-{stop - 1}"
-
-
-class _ServerLoop:
-    """A parameter server's own loop (capability ``own_loop``): serve until every worker is done."""
-
-    def __init__(self, server: ParameterServer):
-        self.server = server
-
-    def run(self, source: RunSource) -> dict[str, Any]:
-        return {"role": "server", **self.server.serve()}
-
-
-class _HelperLoop:
-    """An ``--tolerate-worker-loss`` helper's own loop: slices of any step until none is left."""
-
-    def __init__(self, strategy: AsyncParameterServer):
-        self.strategy = strategy
-
-    def run(self, source: RunSource) -> dict[str, Any]:
-        return self.strategy._help()
-
-
-class _Tickets:
-    """Capability ``out_of_order``: a worker draws whole global batches and computes the slices its tickets
-    name, of any step (a helper's, or one a lost worker held)."""
-
-    def __init__(self, strategy: AsyncParameterServer):
-        self.strategy = strategy
-
-    def bind(self, source: RunSource) -> None:
-        self.strategy.source = source
-        self.strategy._global_batch = source.global_batch  # for describe(): what one push holds

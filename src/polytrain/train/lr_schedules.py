@@ -1,4 +1,4 @@
-"""Learning-rate schedules as data: a :class:`Schedule` is parsed from a compact spec and is a pure
+"""Learning-rate schedules as data: a :class:`LRSchedule` is parsed from a compact spec and is a pure
 function of the step, so it can be printed, unit-tested against its formula and restored from a step.
 
 Specs (``--lr-schedule``)::
@@ -31,7 +31,7 @@ KINDS = tuple(_PARAMS)
 
 
 @dataclass(frozen=True)
-class Schedule:
+class LRSchedule:
     """``lr_at(step)`` for steps 0 .. total_steps-1."""
 
     kind: str
@@ -70,7 +70,7 @@ class Schedule:
         return self.kind + (":" + ",".join(items) if items else "")
 
 
-def parse_schedule(spec: str, base_lr: float, total_steps: int) -> Schedule:
+def parse_lr_schedule(spec: str, base_lr: float, total_steps: int) -> LRSchedule:
     """Parse ``--lr-schedule``; errors name the bad part and the accepted kinds and arguments."""
     parsed = parse_spec(spec, what="--lr-schedule")
     if parsed.name not in _PARAMS:
@@ -91,7 +91,7 @@ def parse_schedule(spec: str, base_lr: float, total_steps: int) -> Schedule:
                           f"(e.g. exponential:rate=0.1,decay_steps=1000)")
     _check(parsed.name, params, warmup)
     _check_floor(parsed.name, params, float(base_lr))
-    return Schedule(parsed.name, float(base_lr), int(total_steps), int(warmup), params)
+    return LRSchedule(parsed.name, float(base_lr), int(total_steps), int(warmup), params)
 
 
 def _check(kind: str, params: dict[str, Any], warmup: Any) -> None:

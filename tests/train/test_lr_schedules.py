@@ -3,30 +3,30 @@ import math
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.train.schedules import parse_schedule, scaled_lr
+from polytrain.train.lr_schedules import parse_lr_schedule, scaled_lr
 
 
 def test_constant_is_constant():
-    s = parse_schedule("constant", 0.1, 100)
+    s = parse_lr_schedule("constant", 0.1, 100)
     assert [s(i) for i in (0, 50, 99)] == [0.1, 0.1, 0.1]
 
 
 @pytest.mark.parametrize("step", [0, 1, 999, 1000, 1500, 2500, 10_000])
 def test_exponential_matches_tensorflow_formula(step):
-    s = parse_schedule("exponential:rate=0.1,decay_steps=1000", 0.5, 20_000)
+    s = parse_lr_schedule("exponential:rate=0.1,decay_steps=1000", 0.5, 20_000)
     assert s(step) == pytest.approx(0.5 * 0.1 ** (step / 1000), rel=1e-12)
 
 
 def test_staircase_decays_in_whole_steps():
-    s = parse_schedule("exponential:rate=0.5,decay_steps=100,staircase=true", 1.0, 1000)
+    s = parse_lr_schedule("exponential:rate=0.5,decay_steps=100,staircase=true", 1.0, 1000)
     assert [s(i) for i in (0, 99, 100, 199, 200, 350)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.125]
-    smooth = parse_schedule("exponential:rate=0.5,decay_steps=100", 1.0, 1000)
+    smooth = parse_lr_schedule("exponential:rate=0.5,decay_steps=100", 1.0, 1000)
     assert smooth(99) < 1.0  # without staircase the decay is continuous
 
 
 def test_cosine_with_warmup_follows_formula():
     base, total, warm, floor = 0.4, 1100, 100, 0.01
-    s = parse_schedule(f"cosine:warmup={warm},min_lr={floor}", base, total)
+    s = parse_lr_schedule(f"cosine:warmup={warm},min_lr={floor}", base, total)
     for step in (0, 49, 99):
         assert s(step) == pytest.approx(base * (step + 1) / warm)
     for step in (100, 350, 600, 1099):
@@ -36,12 +36,12 @@ def test_cosine_with_warmup_follows_formula():
 
 
 def test_linear_reaches_min_lr_at_the_end():
-    s = parse_schedule("linear:min_lr=0.0", 1.0, 11)
+    s = parse_lr_schedule("linear:min_lr=0.0", 1.0, 11)
     assert s(0) == pytest.approx(1.0) and s(10) == pytest.approx(0.0) and s(5) == pytest.approx(0.5)
 
 
 def test_schedule_prints_its_spec():
-    assert str(parse_schedule("exponential:decay_steps=10,rate=0.5,warmup=3", 1, 10)) == \
+    assert str(parse_lr_schedule("exponential:decay_steps=10,rate=0.5,warmup=3", 1, 10)) == \
         "exponential:rate=0.5,decay_steps=10,staircase=false,warmup=3"
 
 
@@ -61,17 +61,17 @@ def test_schedule_prints_its_spec():
 ])
 def test_bad_specs_name_the_problem(spec, needle):
     with pytest.raises(ConfigError, match=None) as err:
-        parse_schedule(spec, 0.1, 100)
+        parse_lr_schedule(spec, 0.1, 100)
     assert needle in str(err.value)
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
 def test_a_floor_above_the_learning_rate_is_refused(kind):
     with pytest.raises(ConfigError) as err:
-        parse_schedule(f"{kind}:min_lr=1,warmup=5", 0.1, 100)
+        parse_lr_schedule(f"{kind}:min_lr=1,warmup=5", 0.1, 100)
     assert str(err.value) == (f"--lr-schedule {kind}: min_lr 1 is above the learning rate 0.1 it decays from (--lr, "
                               "scaled if --lr-scaling is set); give a min_lr <= 0.1, or a higher --lr")
-    flat = parse_schedule(f"{kind}:min_lr=0.1", 0.1, 100)  # a floor at the learning rate: constant
+    flat = parse_lr_schedule(f"{kind}:min_lr=0.1", 0.1, 100)  # a floor at the learning rate: constant
     assert flat(0) == pytest.approx(0.1) and flat(99) == pytest.approx(0.1)
 
 
