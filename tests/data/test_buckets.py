@@ -58,9 +58,10 @@ def _bucketed_run(tmp_path, strategy, workers, **more):
     if not corpus.exists():
         gen = torch.Generator().manual_seed(5)
         corpus.write_text("".join("word " * int(n) + "end.\n" for n in torch.randint(1, 12, (240,), generator=gen)))
-    return polytrain.fit(strategy=strategy, workers=workers, data=f"sentences:{corpus},bucket_window=4",
-                         model="rnn_lm:hidden=32", steps=12, batch_size=16, lr=0.1, seed=2, eval_every=0,
-                         progress="off", log_every=12, **more)
+    settings = dict(strategy=strategy, workers=workers, data=f"sentences:{corpus},bucket_window=4",
+                    model="rnn_lm:hidden=32", steps=12, batch_size=16, lr=0.1, seed=2, eval_every=0,
+                    progress="off", log_every=2)
+    return polytrain.fit(**{**settings, **more})
 
 
 def test_a_run_on_bucketed_sentences_trains_alike_on_one_worker_and_two(tmp_path):
@@ -70,3 +71,12 @@ def test_a_run_on_bucketed_sentences_trains_alike_on_one_worker_and_two(tmp_path
     assert sync["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
     with pytest.raises(polytrain.PolytrainError, match="bucket_window must be a whole number"):
         polytrain.fit(data=f"sentences:{tmp_path / 'sentences.txt'},bucket_window=0", steps=1)
+
+
+def test_a_bucketed_run_resumes_at_its_own_batch_only(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    _bucketed_run(tmp_path, "single", 1, checkpoint_dir=ckpt)
+    resumed = _bucketed_run(tmp_path, "single", 1, checkpoint_dir=ckpt, resume=True, steps=14)
+    assert resumed["steps"] == 14
+    with pytest.raises(polytrain.PolytrainError, match="made with global batch 16: a bucketed plan continues only"):
+        _bucketed_run(tmp_path, "single", 1, checkpoint_dir=ckpt, resume=True, steps=20, batch_size=8)

@@ -91,3 +91,10 @@ def test_polytrain_plan_prints_any_strategys_layout(cli_env, args, expected):
     text = subprocess.run([sys.executable, "-m", "polytrain", "plan", *args], env=cli_env, capture_output=True,
                           text=True, timeout=120)
     assert text.returncode == 0 and f"{expected['processes']} process(es)" in text.stdout
+
+
+def test_a_strategy_refuses_a_layout_of_another_size():
+    from polytrain.distributed.topology import Topology
+
+    with pytest.raises(ConfigError, match="^--strategy sync lays out 3 process\\(es\\); this job has 2$"):
+        get_strategy("sync")(Topology(rank=0, world_size=2), None, Layout.data_parallel("sync", 3))

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from polytrain.errors import ConfigError
 
 ROLES = ("trainer", "server", "helper")
 AXES = ("dp", "pp")
@@ -133,10 +132,3 @@ class Layout:
         return {"strategy": self.strategy, "processes": self.processes, "roles": list(self.roles),
                 "names": [self.name(r) for r in range(self.processes)], "axes": dict(self.axes),
                 "slices": self.slices, "expendable": list(self.expendable), "meets_every": self.meets_every}
-
-
-def check_processes(layout: Layout, processes: int) -> None:
-    """A job that was given ``processes`` (torchrun's world) must be the layout's size."""
-    if layout.processes != processes:
-        raise ConfigError(f"--strategy {layout.strategy} lays out {layout.processes} process(es), but the job has "
-                          f"{processes}; start it with {layout.processes}")
