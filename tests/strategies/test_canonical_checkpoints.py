@@ -5,7 +5,7 @@ One single run writes the canonical checkpoint at step 4 (Adam: moments and a st
 and its own continuation to step 6. Each strategy, in real gloo processes, resumes the step-4 checkpoint,
 reads back what it holds before any step (bit for bit the file's model and optimizer state), trains to
 step 6 and checkpoints: the same tensor names, shapes and dtypes as single's step 6, model and optimizer;
-the strategies that equal single (sync, async with one worker, pipeline, hybrid) hold its values too. The
+the strategies that equal single (sync, async with one worker, pipeline, hybrid, fsdp) hold its values too. The
 examples of steps 5 and 6 (``--log-example-ids``) are single's."""
 
 import shutil
@@ -30,6 +30,7 @@ STRATEGIES = [  # (strategy, processes, settings, equals single)
     ("diloco", 2, dict(workers=2, sync_every=2), False),
     ("pipeline", 2, dict(stages=2, microbatches=2), True),
     ("hybrid", 4, dict(workers=4, dp=2, pp=2, microbatches=2), True),
+    ("fsdp", 2, dict(workers=2), True),
 ]
 
 

@@ -262,12 +262,21 @@ class SlicedBatches:
 
 def eval_batches(dataset: Dataset, batch_size: int, slice: Slice, device: torch.device
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This worker's contiguous part of ``dataset``, every example once, in batches of ``batch_size``."""
+    """This worker's contiguous part of ``dataset``, every example once, in batches of ``batch_size``; then, if
+    another worker's part takes more batches, empty batches up to that count: every worker evaluates as many
+    batches as every other, so a model whose forward is a collective (a sharded one) never waits alone."""
     mine = slice.take_ragged(torch.arange(len(dataset)))
-    for start in range(0, len(mine), batch_size):
+    longest = -(-len(dataset) // slice.count)  # the largest ragged part, which the first workers take
+    count = -(-longest // batch_size)
+    for start in range(0, count * batch_size, batch_size):
         indices = mine[start : start + batch_size]
+        empty = len(indices) == 0
+        if empty:
+            indices = torch.arange(1)  # an example's shapes, cut to none below
         if hasattr(dataset, "get_batch"):
             x, y = dataset.get_batch(indices, 0)
         else:
             x, y = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
+        if empty:
+            x, y = x[:0], y[:0]
         yield x.to(device), y.to(device)

@@ -1,0 +1,161 @@
+"""``fsdp``: sharded data parallel with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each worker takes a slice of every global batch, as with ``sync``, but no worker holds the whole model: every
+unit of the model (its top-level children, a ``ModuleList`` flattened: ``blocks.0``, ``blocks.1``, ...) and
+the model itself are sharded over the workers, so each holds 1/N of the parameters, of their gradients and of
+the optimizer state (ZeRO-3). A unit's parameters are all-gathered just before its forward and freed after it
+(``--reshard-after-forward``, the default; off keeps them gathered until its backward: one all-gather less
+per step for more memory, like ZeRO-2), gathered again for its backward, and its gradients reduce-scattered
+(averaged) to their shards as soon as backward leaves it. The update is each shard's; the optimizer never
+sees a whole tensor.
+
+Equal to ``single`` on the whole batch: the slices' losses are weighed as ``sync``'s, the reduce-scatter
+averages; ``--accumulate K`` defers the reduce-scatter to the last micro-batch; ``--clip-grad-norm`` clips
+the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints and
+``--save-model`` hold the whole model and optimizer state as ``single`` saves them, so a run resumes into any
+strategy and any world size (the gather happens on the workers, one tensor at a time, into rank 0's memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from polytrain.distributed.layout import Layout
+from polytrain.errors import ConfigError
+from polytrain.options import option, register_section
+from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
+from polytrain.strategies.pipeline.split import units
+
+
+@register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
+@dataclass
+class FsdpConfig:
+    reshard_after_forward: bool = option(True, "fsdp: free each unit's gathered parameters after its forward and "
+                                               "gather them again for its backward (ZeRO-3); off keeps them "
+                                               "until backward (ZeRO-2-like: one all-gather less a step, more "
+                                               "memory)")
+
+
+@register_strategy
+class FullyShardedDataParallel(Strategy):
+    name = "fsdp"
+    summary = "sharded data parallel (FSDP2): each worker a slice of every batch and 1/N of the model's state"
+    config_section = "fsdp"
+
+    @classmethod
+    def layout(cls, workers: int | None, options: Any = None) -> Layout:
+        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS)
+
+    @classmethod
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        if layout.processes < 2:
+            raise ConfigError("--strategy fsdp with 1 worker shards nothing (one worker holds the whole model "
+                              "anyway); give --workers 2 or more, or use --strategy single")
+        check_batch(layout.slices, config.global_batch(layout.slices), config.train.accumulate)
+
+    # -- the model, sharded ----------------------------------------------------------------------------
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.topology.device)
+        if not self.topology.distributed:
+            return model
+        mesh = self.topology.mesh["dp"]
+        reshard = bool(self.options.reshard_after_forward)
+        for _, unit in units(model):
+            if any(p.requires_grad for p in unit.parameters()):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # what no unit holds (and the root's own)
+        self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        return model
+
+    def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
+        """``--accumulate``: gradients reduce-scattered only in the last micro-batch's backward."""
+        return _gradient_sync(model, enabled) if hasattr(model, "set_requires_gradient_sync") else \
+            contextlib.nullcontext()
+
+    def train_step(self, batch: Any, lr: float) -> Any:
+        result = super().train_step(batch, lr)
+        self._count_traffic()
+        return result
+
+    def _count_traffic(self) -> None:
+        """Each step: every unit all-gathered for forward, again for backward when resharded after forward,
+        and its gradients reduce-scattered once (ring model: each rank moves (N-1)/N of the whole, per op)."""
+        n = self.topology.world_size
+        if n < 2:
+            return
+        whole = self._param_bytes * n
+        per_op = (n - 1) / n * whole
+        ops = 3 if self.options.reshard_after_forward else 2  # gathers (2 or 1) and one reduce-scatter
+        self.traffic.add(ops * per_op, ops * per_op)
+
+    def describe(self) -> str:
+        zero = "resharded after forward (ZeRO-3)" if self.options.reshard_after_forward else \
+            "kept gathered until backward (ZeRO-2-like)"
+        return f"{super().describe()}; parameters, gradients and optimizer state in {self.topology.world_size} " \
+               f"shards, each unit's parameters {zero}"
+
+    # -- the whole model's state, as single saves it --------------------------------------------------
+
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        assert self.model is not None and self.optimizer is not None
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(self.model, options=full)  # collective: every rank takes part (cpu_offload:
+        by_name = get_optimizer_state_dict(self.model, self.optimizer, options=full) if optimizer else None  # rank 0's)
+        if not self.trainers.is_main:
+            return None
+        if optimizer:  # the hyper-parameters as torch.optim keeps them (tuples stay tuples), the state by index
+            groups = self.optimizer.state_dict()["param_groups"]
+            by_name = {"state": _indexed(by_name["state"], self._names()), "param_groups": groups}
+        return {"model": model, **({"optimizer": by_name} if optimizer else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        assert self.model is not None and self.optimizer is not None
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=full)
+        set_optimizer_state_dict(self.model, self.optimizer, _named(state["optimizer"], self._names()), options=full)
+        for live, given in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"]):
+            live.update({key: value for key, value in given.items() if key != "params"})  # (tuples stay tuples)
+
+    def _names(self) -> list[str]:
+        """The parameters' names in the order ``single``'s optimizer numbers them."""
+        assert self.model is not None
+        return [name for name, _ in self.model.named_parameters()]
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _indexed(by_name: dict[str, Any], names: list[str]) -> dict[int, Any]:
+    """Optimizer state keyed by parameter names, keyed as torch.optim numbers the parameters (single's)."""
+    index = {name: i for i, name in enumerate(names)}
+    return dict(sorted((index[n], value) for n, value in by_name.items()))
+
+
+def _named(indexed: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Single's optimizer state dict keyed by parameter names (what ``set_optimizer_state_dict`` takes)."""
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in indexed["param_groups"]]
+    return {"state": {names[int(i)]: value for i, value in indexed["state"].items()}, "param_groups": groups}
