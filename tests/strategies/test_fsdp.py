@@ -1,0 +1,84 @@
+"""``fsdp`` in real gloo processes: equal to ``single`` on the whole batch (Adam, clipping, accumulation), each
+rank holding its shard only, and checkpoints that move between world sizes and strategies."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.config import make_config
+from polytrain.errors import ConfigError
+from polytrain.train.run import check
+from tests.helpers.resume import assert_same_state, resume_and_read_back
+from tests.helpers.spawn import spawn
+
+LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", batch_size=16)
+# SGD with momentum for the CNN: Adam on a ReLU network turns float-order differences in near-zero gradients
+# into whole steps (sync is 5.6e-4 off single there too); with momentum, fsdp is within 4e-6 of single
+CNN = dict(model="cifar_cnn", data="synthetic:size=256,test_size=64", batch_size=16, optimizer="sgd", lr=0.05,
+           momentum=0.9)
+COMMON = dict(steps=10, seed=5, progress="off", eval_every=5, log_every=5, optimizer="adam", lr=0.003,
+              clip_grad_norm=0.5, accumulate=2, timeout=120)
+
+
+def _fit(tmp_path, name, **settings):
+    path = tmp_path / f"{name}.pt"
+    summary = polytrain.fit(**{**COMMON, **settings}, save_model=str(path))  # (settings win over COMMON)
+    return summary, torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("data, workers", [(LM, 2), (LM, 4), (CNN, 2)], ids=["lm-2", "lm-4", "cnn-2"])
+def test_fsdp_equals_single_on_the_whole_batch(tmp_path, data, workers):
+    single, reference = _fit(tmp_path, "single", strategy="single", **data)
+    sharded, weights = _fit(tmp_path, "fsdp", strategy="fsdp", workers=workers, **data)
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert sharded["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+    assert sharded["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+    assert sharded["bytes_sent"] > 0  # the gathers and reduce-scatters are counted
+
+
+def _resume(tmp_path, source, target, **more):
+    """A run of ``source`` to step 4, resumed by ``target``: what the target holds before its first step,
+    and the file it resumed."""
+    ckpt = tmp_path / "ck"
+    polytrain.fit(**{**COMMON, **LM, "steps": 4, **source}, checkpoint_dir=str(ckpt))
+    saved = torch.load(ckpt / "step-00000004.pt", weights_only=True)
+    config = make_config(**{**COMMON, **LM, "steps": 6, **target, **more}, checkpoint_dir=str(ckpt), resume=True)
+    processes = target.get("workers", 1) if target["strategy"] != "single" else 1
+    held, _ = (spawn(resume_and_read_back, processes, config) if processes > 1 else
+               polytrain.launch(resume_and_read_back, config, workers=1))[0]
+    return held, saved
+
+
+@pytest.mark.parametrize("source, target", [
+    (dict(strategy="fsdp", workers=4), dict(strategy="fsdp", workers=2)),
+    (dict(strategy="fsdp", workers=2), dict(strategy="single")),
+    (dict(strategy="sync", workers=2), dict(strategy="fsdp", workers=2)),
+], ids=["fsdp4-to-fsdp2", "fsdp-to-single", "sync-to-fsdp"])
+def test_a_checkpoint_moves_between_world_sizes_and_strategies_bit_for_bit(tmp_path, source, target):
+    held, saved = _resume(tmp_path, source, target)
+    assert_same_state(held, saved)
+
+
+def test_one_worker_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="^--strategy fsdp with 1 worker shards nothing"):
+        check(make_config(strategy="fsdp", workers=1))
+
+
+def test_settings_of_sync_are_refused_for_fsdp():
+    with pytest.raises(ConfigError, match="--balance on is a setting of --strategy sync"):
+        check(make_config(strategy="fsdp", workers=2, balance="on"))
+
+
+def test_without_resharding_after_forward_it_still_equals_single(tmp_path):
+    single, reference = _fit(tmp_path, "single", strategy="single", **LM)
+    sharded, weights = _fit(tmp_path, "zero2", strategy="fsdp", workers=2, reshard_after_forward=False, **LM)
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert sharded["bytes_sent"] < _fit(tmp_path, "zero3", strategy="fsdp", workers=2, **LM)[0]["bytes_sent"]
+    shutil.rmtree(tmp_path, ignore_errors=True)
