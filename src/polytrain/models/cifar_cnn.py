@@ -10,6 +10,8 @@ from collections import OrderedDict
 
 from torch import nn
 
+from polytrain.models.deferred import UnitSequential
+
 
 def _pooled(size: int) -> int:
     # MaxPool2d(3, stride=2, padding=1) matches TF's 'SAME' pooling: ceil(size / 2)
@@ -22,7 +24,7 @@ def cifar_cnn(input_shape: tuple[int, ...] = (3, 24, 24), num_classes: int = 10,
     c, h, w = input_shape
     flat = channels * _pooled(_pooled(h)) * _pooled(_pooled(w))
     # named parts, so that placement can say --place features=cuda:0,classifier=cuda:1
-    return nn.Sequential(OrderedDict(
+    return UnitSequential(OrderedDict(
         features=nn.Sequential(
             nn.Conv2d(c, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
             nn.Conv2d(channels, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),

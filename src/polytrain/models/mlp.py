@@ -11,6 +11,8 @@ from typing import Sequence
 
 from torch import nn
 
+from polytrain.models.deferred import UnitSequential
+
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid}
 
 
@@ -31,4 +33,4 @@ def mlp(
         layers += [nn.Linear(fan_in, width), _ACTIVATIONS[activation]()]
         fan_in = width
     layers.append(nn.Linear(fan_in, num_classes))
-    return nn.Sequential(*layers)
+    return UnitSequential(*layers)

@@ -29,10 +29,18 @@ class RNNLanguageModel(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.rnn = nn.LSTM(hidden, hidden, layers, batch_first=True, dropout=dropout if layers > 1 else 0.0)
         self.head = nn.Linear(hidden, vocab)
+        self.init_scale = init_scale
         if tied:
             self.head.weight = self.embed.weight
         for param in self.parameters():
             nn.init.uniform_(param, -init_scale, init_scale)
+        if not tied:  # a tied embedding is one tensor in two units: built whole, never unit by unit
+            self.init_unit = self._init_unit
+
+    def _init_unit(self, name: str, unit: nn.Module) -> None:
+        """Every weight uniform in [-init_scale, init_scale], as the tutorial initialises the whole model."""
+        for param in unit.parameters():
+            nn.init.uniform_(param, -self.init_scale, self.init_scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(self.drop(self.embed(tokens)))

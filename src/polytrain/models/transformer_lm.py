@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polytrain.models.parts import units
+
 _INIT_STD = 0.02  # GPT-2's
 
 
@@ -84,10 +86,19 @@ class TransformerLM(nn.Module):
         self.embed = Embed(vocab, dim, seq_len, dropout)
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.head = Head(dim, vocab)
-        self.apply(_init)
-        for block in self.blocks:  # GPT-2: residual projections scaled down with depth
-            for proj in (block.attn.proj, block.mlp[2]):
-                nn.init.normal_(proj.weight, std=_INIT_STD / math.sqrt(2 * layers))
+        for name, unit in units(self):  # (polytrain materialises a model built on the meta device the same way)
+            self.init_unit(name, unit)
+
+    def init_unit(self, name: str, unit: nn.Module) -> None:
+        """GPT-2's initialisation of one unit: normal(0.02) weights, zero biases, LayerNorms at 1 and 0, the
+        residual projections of the blocks scaled down with depth."""
+        for module in unit.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        unit.apply(_init)
+        if isinstance(unit, Block):
+            for proj in (unit.attn.proj, unit.mlp[2]):
+                nn.init.normal_(proj.weight, std=_INIT_STD / math.sqrt(2 * len(self.blocks)))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

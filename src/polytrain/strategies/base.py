@@ -40,7 +40,9 @@ from polytrain.data.batches import Batch, Slice
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
+from polytrain.models.deferred import materialize_all
 from polytrain.options import section_defaults
+from polytrain.precision import Amp
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 
@@ -78,6 +80,10 @@ class Strategy:
     summary: ClassVar[str] = ""
     #: the RunConfig section holding this strategy's own options (registered with ``register_section``)
     config_section: ClassVar[str] = ""
+    #: the ``--precision`` modes this strategy carries out itself (FSDP's ``MixedPrecisionPolicy``, say): for
+    #: them the run casts nothing and :attr:`amp` adds no autocast and no loss scaler; the strategy reads
+    #: ``recipe.precision`` in :meth:`prepare`. Every other mode the base class runs (:mod:`polytrain.precision`)
+    own_precision: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, topology: Topology, options: Any = None, layout: Layout | None = None):
         self.options = options if options is not None else section_defaults(self.config_section)
@@ -93,6 +99,8 @@ class Strategy:
         self.recipe = StepRecipe()
         #: this rank's bytes sent and received in the exchange, and examples trained on (for bytes per example)
         self.traffic = Traffic()
+        #: this rank's ``--precision`` at run time (autocast, loss scaler, skipped steps); set by :meth:`prepare`
+        self.amp = Amp(device=self.topology.device)
         #: labels a part of the step in the per-operator placement log (the trainer's device runtime sets it)
         self.phase: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()
         self.own_loop: OwnLoop | None = None
@@ -118,12 +126,14 @@ class Strategy:
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: StepRecipe | None = None,
                 place: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """Take ``model`` (built alike on every rank), move and wrap it, let ``place`` put its sub-modules
-        where the user asked, and build the optimizer over what this rank updates. Returns this rank's model."""
-        self.model = self._wrap(model)
+        where the user asked, and build the optimizer over what this rank updates. Returns this rank's model. A
+        model built on the meta device is materialised first (:mod:`polytrain.models.deferred`)."""
+        self.model = self._wrap(self._materialize(model))
         if place is not None:
             place(self.model)
         self.optimizer = make_optimizer(self.model.parameters())
         self.recipe = recipe or StepRecipe()
+        self.amp = self._precision_runtime()
         return self.model
 
     @property
@@ -139,7 +149,8 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
         recipe = self.recipe
         loss = forward_backward(self.model, batch, recipe.task, self.trainers.axis_size("dp"), recipe.accumulate,
-                                self._grad_sync, self._backward, loss=recipe.loss)
+                                self._grad_sync, self._backward, loss=recipe.loss, amp=self.amp)
+        self.amp.unscale(self.optimizer)  # 16-mixed: the exchanged gradients at their true size, before clipping
         if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         with self.phase("optimizer"):
@@ -153,7 +164,9 @@ class Strategy:
         a rank that computes no loss. The trainer sums these over :attr:`trainers`."""
         assert self.model is not None
         device = self.topology.device
-        return torch.stack([v.to(device).double() for v in self.recipe.task.score(self.model(inputs), targets)])
+        with self.amp.autocast():
+            score = self.recipe.task.score(self.model(self.amp.inputs(inputs)), targets)
+        return torch.stack([v.to(device).double() for v in score])
 
     def finish(self) -> None:
         """Called on every trainer rank once training has ended well (e.g. to tell servers to stop)."""
@@ -166,14 +179,16 @@ class Strategy:
     def take_metrics(self) -> dict[str, float]:
         """This rank's strategy-specific numbers since the last call (bytes sent, staleness, ...), called at
         every log point on every trainer rank; the step record lists each key per rank (``rank_<key>``). By
-        default the bytes counted in :attr:`traffic` (``bytes_sent``, ``bytes_received``)."""
-        return self.traffic.take()
+        default the bytes counted in :attr:`traffic` (``bytes_sent``, ``bytes_received``), and under
+        ``--precision 16-mixed`` the steps skipped for overflowing gradients and the loss scale."""
+        return {**self.traffic.take(), **self.amp.take_metrics()}
 
     def summary_metrics(self) -> dict[str, Any]:
         """Numbers for the run's end summary (e.g. the servers' staleness histogram), on the trainers' rank 0.
         Collective over the trainer ranks: every one calls it once, after the last step. By default the
-        totals of :attr:`traffic` over the trainers (bytes sent and received, per rank and per example)."""
-        return self.traffic.summary(self.trainers)
+        totals of :attr:`traffic` over the trainers (bytes sent and received, per rank and per example), and
+        under ``--precision 16-mixed`` the steps skipped (``precision_skipped_steps``)."""
+        return {**self.traffic.summary(self.trainers), **self.amp.summary(self.trainers)}
 
     # -- the whole model's state -----------------------------------------------------------------------
 
@@ -193,6 +208,11 @@ class Strategy:
         self.optimizer.load_state_dict(state["optimizer"])
 
     # -- hooks for strategies (protected) --------------------------------------------------------------
+
+    def _materialize(self, model: nn.Module) -> nn.Module:
+        """The model with real tensors, if it was built on the meta device: by default the whole of it (a
+        strategy that keeps a part of the model makes only that part, in ``_wrap``)."""
+        return materialize_all(model)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """This rank's model on its device (wrapped for the exchange where the strategy needs it)."""
@@ -215,7 +235,13 @@ class Strategy:
         loss.backward()
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+        self.amp.step(optimizer)  # 16-mixed: skipped (and counted) when the gradients overflowed
+
+    def _precision_runtime(self) -> Amp:
+        """This rank's :class:`~polytrain.precision.Amp` for ``recipe.precision``: inactive for a mode this
+        strategy carries out itself (:attr:`own_precision`)."""
+        precision = self.recipe.precision
+        return Amp(precision, self.topology.device, active=precision.name not in self.own_precision)
 
     def _take_wait(self) -> float:
         """Seconds this rank spent waiting for other ranks in the step just taken (for per-rank throughput)."""

@@ -29,7 +29,9 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
-from polytrain.strategies.pipeline.split import units
+from polytrain.log import get_logger
+from polytrain.models.deferred import describe_whole_build, is_deferred, materialize, materialize_all
+from polytrain.models.parts import units
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -60,17 +62,29 @@ class FullyShardedDataParallel(Strategy):
 
     # -- the model, sharded ----------------------------------------------------------------------------
 
+    def _materialize(self, model: nn.Module) -> nn.Module:
+        return model  # unit by unit in _wrap, each sharded before the next is made
+
     def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        model = model.to(self.topology.device)
         if not self.topology.distributed:
-            return model
-        mesh = self.topology.mesh["dp"]
+            return materialize_all(model).to(self.topology.device)
+        mesh, device = self.topology.mesh["dp"], self.topology.device
         reshard = bool(self.options.reshard_after_forward)
-        for _, unit in units(model):
+
+        def shard(name: str, unit: nn.Module) -> None:
             if any(p.requires_grad for p in unit.parameters()):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+
+        if is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
+            materialize(model, device, then=shard)
+        else:
+            if self.topology.is_main:
+                get_logger().warning(describe_whole_build(model, type(model).__name__))
+            model = model.to(device)
+            for name, unit in units(model):
+                shard(name, unit)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # what no unit holds (and the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         return model

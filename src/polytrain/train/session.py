@@ -27,8 +27,10 @@ from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
+from polytrain.models.deferred import build_deferred
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
+from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy, get_strategy
 from polytrain.strategies.base import check_batch, data_slice
@@ -37,6 +39,7 @@ from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, w
 from polytrain.train.integrity import signature
 from polytrain.train import reshard
 from polytrain.train.optim import build_optimizer
+from polytrain.train.unit_options import apply_unit_options, describe_unit_options
 from polytrain.train.reshard import DataPosition
 from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
 from polytrain.tasks import Task, check_takes_labels, get_task
@@ -104,7 +107,8 @@ class Session:
             return None
         assert model_and_optimizer is not None
         return {
-            **model_and_optimizer,
+            **to_float32(model_and_optimizer),  # bf16-true's bfloat16 widened (exact): every checkpoint is float32
+            **self.strategy.amp.state_dict(),  # 16-mixed: the loss scaler's scale and growth count
             "schedule": str(self.lr_schedule),
             "lr": float(self.lr_schedule(step)),  # the next step's: where a resume at another batch starts from
             "data_position": DataPosition.at(self.plan, step).as_dict(),
@@ -125,7 +129,9 @@ class Session:
             f"model {cfg.model.model}: {params:,} parameters",
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
+            *describe_unit_options(cfg.units, self.strategy.module),
             f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
+            f"precision {self.strategy.amp.describe()}",
             f"optimizer {cfg.optim.optimizer}, lr {self.lr_schedule.base_lr:g}, schedule {self.lr_schedule}",
             f"process: {torch.get_num_threads()} CPU thread(s) per worker, {describe_host_memory()}",
         ]
@@ -154,15 +160,22 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     if model is None:
         if config.model.model == "auto":
             config.model.model = data.default_model
-        model = build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
-                            num_classes=data.num_outputs)
+        def build() -> nn.Module:
+            return build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
+                               num_classes=data.num_outputs)
+
+        # on the meta device where the model can be materialised unit by unit: the strategy makes what it keeps
+        model = build_deferred(build, config.train.seed) or build()
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
     task = get_task(data.task)
-    recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss)
+    recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
+                        precision_of(config))
+    model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
+    model = apply_unit_options(model, config.units)  # --activation-checkpointing, --compile: per unit, before any wrap
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
                              place=lambda m: _place(devices, config, strategy, m))
     strategy.phase = devices.phase
@@ -230,7 +243,8 @@ def _resume(s: Session) -> None:
     if trainers.is_main:
         # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
         # the model's own state_dict says which tensors a checkpoint of it holds
-        choice = s.checkpointer.choose(signature(s.strategy.module.state_dict()))
+        choice = s.checkpointer.choose(file_signature(signature(s.strategy.module.state_dict()),
+                                                      s.strategy.amp.precision))
         warn_choice(choice, s.log.warning, "--resume: ")
         if choice.good is not None:
             found = (choice.good.state, str(choice.good.path), None)
@@ -249,7 +263,11 @@ def _resume(s: Session) -> None:
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
+    note = resume_note(saved, s.strategy.amp.precision)
+    if note and trainers.is_main:
+        s.log.info(note)
     s.strategy.load_state_dict(state)
+    s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
     _continue_data(s, state)
     if len(state["rng"]) == trainers.world_size:

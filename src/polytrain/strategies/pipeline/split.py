@@ -23,17 +23,7 @@ import torch
 from torch import nn
 
 from polytrain.errors import ConfigError
-
-
-def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's splittable units in forward order, with their names in the whole model."""
-    found = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            found += [(f"{name}.{index}", item) for index, item in child.named_children()]
-        else:
-            found.append((name, child))
-    return found
+from polytrain.models.parts import units  # noqa: F401  (a model's units: where a pipeline cuts)
 
 
 def parse_split(text: str) -> list[str] | None:

@@ -49,6 +49,7 @@ from polytrain.distributed.p2p import Channel
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
+from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy, register_strategy
 from polytrain.strategies.ps.capabilities import HelperLoop, ServerLoop, Tickets
 from polytrain.strategies.ps.client import ParameterClient
@@ -129,6 +130,12 @@ class AsyncParameterServer(Strategy):
                       names=tuple(ranks.name(rank) for rank in range(ranks.world_size)),
                       expendable=tuple(range(1, n)) if opts.tolerate_worker_loss else (), meets_every=0)
 
+    @classmethod
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        super().check(layout, config, model)
+        refuse_loss_scaling(config, cls.name, "the parameter servers apply each worker's gradient alone, so no "
+                                              "step can be skipped for every worker at once")
+
     def describe(self) -> str:
         n, s = self.ranks.workers, self.ranks.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
@@ -146,6 +153,8 @@ class AsyncParameterServer(Strategy):
     def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory, recipe: StepRecipe | None = None,
                 place: Callable[[nn.Module], None] | None = None) -> nn.Module:
         self.recipe = recipe or StepRecipe()
+        self.amp = self._precision_runtime()  # bf16-mixed: autocast in each slice's forward (_gradient)
+        model = self._materialize(model)
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         if len(dtypes) > 1:
             raise ConfigError(f"--strategy async: the model's parameters have several dtypes ({', '.join(dtypes)}); "
@@ -280,7 +289,8 @@ class AsyncParameterServer(Strategy):
         recipe = self.recipe
         # the replicas' gradients are summed by the servers at 1/N each, as sync averages them
         loss = forward_backward(self.model, batch, recipe.task, self.ranks.workers, recipe.accumulate,
-                                lambda model, enabled: contextlib.nullcontext(), self._backward, loss=recipe.loss)
+                                lambda model, enabled: contextlib.nullcontext(), self._backward, loss=recipe.loss,
+                                amp=self.amp)
         if recipe.clip_grad_norm is not None:  # no global gradient here: each push is clipped alone
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
         return loss
