@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import Batch
+from polytrain.precision import Amp, Precision
 from polytrain.tasks import model_loss_of
 
 
@@ -24,12 +25,14 @@ class StepRecipe:
     """How a step computes its update, whatever the strategy: the task, gradient accumulation over
     ``accumulate`` micro-batches, clipping of the *global* gradient's norm (after the exchange), and whose
     loss is minimised (``loss``: ``task``, the task's loss on the model's outputs, or ``model``, the
-    model's own ``.loss`` given ``labels=``)."""
+    model's own ``.loss`` given ``labels=``), and in what ``precision`` (``--precision``: the strategy runs it
+    through its ``amp``, unless it lists the mode in its ``own_precision`` and carries it out itself)."""
 
     task: Any = None
     accumulate: int = 1
     clip_grad_norm: float | None = None
     loss: str = "task"
+    precision: Precision = Precision()
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ def loss_divisor(global_units: int, replicas: int, units: int) -> float:
 
 def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, accumulate: int,
                      grad_sync: Callable[[nn.Module, bool], ContextManager[Any]],
-                     backward: Callable[[torch.Tensor], None], loss: str = "task") -> torch.Tensor:
+                     backward: Callable[[torch.Tensor], None], loss: str = "task",
+                     amp: Amp | None = None) -> torch.Tensor:
     """Gradients of the global batch's mean loss over this slice, in ``accumulate`` micro-batches.
 
     The gradients of ``replicas`` data-parallel ranks are averaged by the exchange, so a micro-batch holding
@@ -77,18 +81,26 @@ def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, a
 
     ``loss="model"`` takes the model's own mean loss instead (``model(x, labels=...)``), weighed the same
     way by the units *it* averages over, which the task says (:meth:`Task.model_labels` and friends).
+
+    ``amp`` (``--precision``): forward and loss under its autocast, inputs in its dtype, and ``backward``
+    given the scaled loss (16-mixed); the returned loss is unscaled.
     """
+    amp = amp or _FLOAT32
     total = torch.zeros((), device=batch.inputs.device)
-    pieces = list(zip(batch.inputs.chunk(accumulate), batch.targets.chunk(accumulate)))
+    pieces = list(zip(amp.inputs(batch.inputs).chunk(accumulate), batch.targets.chunk(accumulate)))
     micro_loss = _task_loss if loss == "task" else _model_loss
     global_units = batch.global_units if loss == "task" else _model_global_units(task, batch, replicas)
     for i, (x, y) in enumerate(pieces):
         with grad_sync(model, i == len(pieces) - 1):
-            mean, units = micro_loss(model, task, x, y)
-            weighed = mean / loss_divisor(global_units, replicas, units)
-            backward(weighed)
+            with amp.autocast():
+                mean, units = micro_loss(model, task, x, y)
+                weighed = mean / loss_divisor(global_units, replicas, units)
+            backward(amp.scale(weighed))
         total += weighed.detach().to(total.device)
     return total
+
+
+_FLOAT32 = Amp()  # 32-true: no autocast, no cast, no scale
 
 
 def _task_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polytrain.options import option, register_section
+from polytrain.precision import DEFAULT_LOSS_SCALE, DEFAULT_PRECISION, PRECISIONS
 from polytrain.tasks import LOSSES
 
 
@@ -26,6 +27,14 @@ class TrainConfig:
                              minimum=1, metavar="K")
     loss: str = option("task", "what is minimised: task (the task's loss on the model's outputs or .logits) or "
                        "model (the model's own .loss, given labels=: the Hugging Face convention)", choices=LOSSES)
+    precision: str = option(DEFAULT_PRECISION, "numeric precision (Lightning's names): 32-true (float32), bf16-mixed "
+                            "or 16-mixed (forward and loss under autocast to bfloat16 or float16, float32 parameters "
+                            "and optimizer state; 16-mixed scales the loss and skips steps whose gradients "
+                            "overflow), bf16-true (parameters, gradients and optimizer state in bfloat16)",
+                            choices=PRECISIONS)
+    initial_loss_scale: float = option(DEFAULT_LOSS_SCALE, "16-mixed: the loss scaler's first scale (halved after "
+                                       "each step whose gradients overflow, doubled after 2000 good ones)",
+                                       minimum=1, metavar="S")
     seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
     eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
                              metavar="N")

@@ -20,6 +20,7 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.registry import check_model
+from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for, registered
@@ -58,6 +59,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     strategy.check(layout, config, model)
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
+    check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd and --momentum > 0")

@@ -35,6 +35,7 @@ from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError, RunStopped
+from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import session
 from polytrain.train.files import atomic_save
@@ -264,7 +265,8 @@ class Trainer:
         self._check_finite()
         state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
         if self.topology.is_main:
-            atomic_save({k: v.detach().cpu() for k, v in state["model"].items()}, path)
+            # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
+            atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
             self.session.log.info(f"model saved to {path}")
 
     def _summary(self, step: int, totals: IntervalMeter, train_loss: float | None,

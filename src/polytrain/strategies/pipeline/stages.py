@@ -5,6 +5,10 @@ Busy time is the time a stage spends inside its own forward and backward (``forw
 ``backward_one_chunk``, ``backward_weight_one_chunk``); the rest of a schedule's step is waiting for
 neighbours (and sending): the measured bubble.
 
+Under ``--precision bf16-mixed`` each stage's forward runs under the strategy's autocast (``autocast``), and so
+does the first step's inference of the activations' shapes and dtypes, so the buffers torch allocates to
+receive them have the dtype the stages send (bfloat16); backward runs outside it.
+
 Bytes are counted where torch builds the point-to-point operations a schedule runs (``get_fwd_send_ops``
 and the three others): activations sent forward and their gradients sent back, each tensor's bytes once.
 Neighbouring stages on the same rank (``zbv``'s fold) hand tensors over locally and build none, so they
@@ -13,8 +17,9 @@ count nothing; neither do the one-time shape exchange of the first step and eval
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,8 @@ class TimedStage(PipelineStage):
     busy: float = 0.0
     sent: int = 0
     received: int = 0
+    #: around each forward (and the first step's shape inference): the strategy's autocast, or nothing
+    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
     def _timed(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -42,7 +49,12 @@ class TimedStage(PipelineStage):
             self.busy += time.perf_counter() - start
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+        with self.autocast():
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.autocast():  # the shapes and dtypes inferred as the forward will produce them
+            return super()._prepare_forward_infra(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_one_chunk, *args, **kwargs)

@@ -36,6 +36,7 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.options import option, register_section
+from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.strategies.pipeline import plan, split
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
@@ -108,6 +109,8 @@ class Pipeline(Strategy):
         if config.train.loss != "task":
             raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
                               "--loss model needs the whole model in one process")
+        refuse_loss_scaling(config, cls.name, "the pipelining schedule runs each micro-batch's backward itself, "
+                                              "and an overflow on one stage would have to skip the step on all")
         if model is None and config.model.model != "auto":
             model = _meta_model(config)
         if model is not None:
@@ -162,6 +165,8 @@ class Pipeline(Strategy):
         group = topo.axis_group("pp")
         self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
                               for s in self.mine]
+        for stage in self.stage_objects:  # --precision bf16-mixed: each stage's forward under autocast
+            stage.autocast = self.amp.autocast
         cls = plan.torch_schedule_class(opts.schedule)
         stages = self.stage_objects[0] if self.info.chunks == 1 else self.stage_objects
         # scale_grads off: each micro-batch's loss is already weighed by its share of the global batch
@@ -183,7 +188,8 @@ class Pipeline(Strategy):
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         task = self.recipe.task
-        return task.loss(outputs, targets) / loss_divisor(self._global_units, self.replicas, task.units(targets))
+        with self.amp.autocast():  # the loss as the other strategies compute it (in float32 under autocast)
+            return task.loss(outputs, targets) / loss_divisor(self._global_units, self.replicas, task.units(targets))
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -191,14 +197,14 @@ class Pipeline(Strategy):
         assert self.optimizer is not None
         self._set_lr(lr)
         opts = self.options
-        self._ensure_stages(batch.inputs[: len(batch) // opts.microbatches])
+        self._ensure_stages(self.amp.inputs(batch.inputs[: len(batch) // opts.microbatches]))
         self.optimizer.zero_grad(set_to_none=True)
         self._global_units = batch.global_units
         for stage in self.stage_objects:
             stage.busy, stage.sent, stage.received = 0.0, 0, 0
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
-        args = (batch.inputs,) if 0 in self.mine else ()
+        args = (self.amp.inputs(batch.inputs),) if 0 in self.mine else ()
         self.schedule.step(*args, target=batch.targets, losses=losses, return_outputs=False)
         wall = time.perf_counter() - start
         busy = sum(stage.busy for stage in self.stage_objects)
@@ -239,12 +245,15 @@ class Pipeline(Strategy):
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         opts = self.options
+        inputs = self.amp.inputs(inputs)
         self._ensure_stages(inputs[: max(1, len(inputs) // opts.microbatches)])
-        out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
-                            self.topology.axis_group("pp"))
-        if out is None:
-            return None
-        return torch.stack([v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
+        with self.amp.autocast():
+            out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
+                                self.topology.axis_group("pp"))
+            if out is None:
+                return None
+            score = self.recipe.task.score(out, targets)
+        return torch.stack([v.to(self.topology.device).double() for v in score])
 
     # -- metrics -----------------------------------------------------------------------------------
 
