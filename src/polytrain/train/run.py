@@ -29,6 +29,7 @@ from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.straggler import check_stragglers
+from polytrain.train.unit_options import check_unit_options
 from polytrain.train.trainer import train_worker
 
 
@@ -59,6 +60,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     strategy.check(layout, config, model)
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
+    check_unit_options(config, model)
     check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
