@@ -67,3 +67,31 @@ def test_a_flag_the_suite_does_not_read_is_one_line(capsys):
                                                "drop it (see polytrain bench --help)")
     assert main(["bench", "--plot", "p.png"]) == 2
     assert "--plot draws the pipeline suite only" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # four single runs, two of them compiling a 1-block transformer (20-60 s with a cold cache)
+def test_quick_compile_suite_measures_eager_compiled_and_checkpointed_in_one_run(cli_env, tmp_path):
+    proc = polytrain("--suite", "compile", "--quick", "--markdown", "c.md", env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "polytrain-bench-compile.json").read_text())
+    assert [r["case"] for r in doc["rows"]] == ["eager", "compiled", "checkpointed", "compiled_checkpointed"]
+    assert all(r["examples_per_sec"] > 0 and len(r["runs_examples_per_sec"]) == 1 for r in doc["rows"])
+    losses = [r["final_loss"] for r in doc["rows"]]
+    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])  # the same steps, whatever the unit options
+    ratios = {r["key"]: r for r in doc["ratios"]}
+    assert set(ratios) == {"compiled_vs_eager", "checkpointed_vs_eager", "compiled_checkpointed_vs_checkpointed"}
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert ratios["compiled_vs_eager"]["value"] == pytest.approx(
+        rows["compiled"]["examples_per_sec"] / rows["eager"]["examples_per_sec"], rel=1e-3)
+    assert "speed --compile / eager" in proc.stdout
+    assert "| --compile --activation-checkpointing full |" in (tmp_path / "c.md").read_text()
+
+
+def test_compile_suite_plan_and_its_flags(cli_env, tmp_path, capsys):
+    proc = polytrain("--suite", "compile", "--plan", "--steps", "5", env=cli_env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 warm-up + 5 timed steps" in proc.stdout and "  --compile --activation-checkpointing full" in proc.stdout
+    assert not (tmp_path / "polytrain-bench-compile.json").exists()
+    assert main(["bench", "--suite", "compile", "--workers", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("polytrain: error: --workers is not read by --suite compile; "
+                                               "drop it (see polytrain bench --help)")

@@ -1,7 +1,7 @@
 """``polytrain bench``: throughput of single, sync and plain PyTorch DDP on the same steps, in one run
 (``--suite throughput``, the default); a pipeline's speed-up against its theoretical one
 (``--suite pipeline``); every pipeline configuration run 200 steps under a time limit (``--suite
-pipeline-soak``)."""
+pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,13 @@ stages. --plot FILE draws it (matplotlib).
 
 --suite pipeline-soak: every pipeline configuration of the parity tests (P=2 and 4, M in {P, 2P}, each
 schedule; hybrid 2 x 2) trains --steps (200) steps on a tiny model, each under a --timeout wall-clock limit:
-a table of steps, seconds and ok / failed / hung."""
+a table of steps, seconds and ok / failed / hung.
 
-SUITES = ("throughput", "pipeline", "pipeline-soak")
+--suite compile: single with 1 thread, the same batches four ways: eager, --compile, --activation-checkpointing
+full, and both; examples/s after the warm-up steps, the first step's seconds (compilation), peak memory and
+final loss of each, and the speed ratios compiled / eager and checkpointed / eager."""
+
+SUITES = ("throughput", "pipeline", "pipeline-soak", "compile")
 
 #: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {
@@ -47,6 +51,8 @@ QUICK = {
     "pipeline": {"model": "transformer_lm:layers=4,dim=32,heads=2", "data": "text:seq_len=16", "batch_size": 8,
                  "microbatches": (2,), "warmup": 1, "steps": 2, "repeats": 1},
     "pipeline-soak": {"steps": 4, "timeout": 120.0},
+    "compile": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "batch_size": 8,
+                "warmup": 1, "steps": 2, "repeats": 1},
 }
 
 
@@ -73,7 +79,7 @@ def add_parser(sub: Any) -> None:
                                        "tokens/s is reported too")
     parser.add_argument("--worker-batch-size", type=int, metavar="N", help="throughput: examples per worker per step")
     parser.add_argument("--workers", type=int, metavar="N", help="throughput: workers of sync and DDP (default: 2)")
-    parser.add_argument("--batch-size", type=int, metavar="N", help="pipeline suites: the global batch per step")
+    parser.add_argument("--batch-size", type=int, metavar="N", help="pipeline and compile suites: the global batch per step")
     parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
     parser.add_argument("--microbatches", type=_ints, metavar="M,M,..",
                         help="pipeline: micro-batch counts (default: 1,2,4,8)")
@@ -108,6 +114,9 @@ def _config_class(suite: str) -> type:
     if suite == "pipeline-soak":
         from polytrain.bench.pipeline_soak import SoakConfig
         return SoakConfig
+    if suite == "compile":
+        from polytrain.bench.compile import CompileBenchConfig
+        return CompileBenchConfig
     from polytrain.bench.cases import BenchConfig
     return BenchConfig
 
@@ -139,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         doc = _run_pipeline(cfg, args)
     elif args.suite == "pipeline-soak":
         doc = _run_soak(cfg, args)
+    elif args.suite == "compile":
+        doc = _run_compile(cfg, args)
     else:
         doc = _run_throughput(cfg, args)
     if doc is None:
@@ -214,6 +225,21 @@ def _run_soak(cfg, args: argparse.Namespace) -> dict | None:
     if args.plan:
         return None
     doc = run_soak(cfg, progress=_progress)
+    print("\n" + format_text(doc))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc))
+    return doc
+
+
+def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.compile import CASES, format_markdown, format_text, run_suite
+
+    print(f"{cfg.model} on {cfg.data}, batch {cfg.batch_size}, single with 1 thread, {cfg.warmup} warm-up + "
+          f"{cfg.steps} timed steps, {cfg.repeats} interleaved repeat(s):", flush=True)
+    print("\n".join(f"  {case.label}" for case in CASES), flush=True)
+    if args.plan:
+        return None
+    doc = run_suite(cfg, progress=_progress)
     print("\n" + format_text(doc))
     if args.markdown:
         Path(args.markdown).write_text(format_markdown(doc))
