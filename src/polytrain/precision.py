@@ -53,7 +53,7 @@ class Precision:
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
-            raise ConfigError(f"--precision: unknown value '{self.name}'; accepted: {', '.join(PRECISIONS)}")
+            raise ValueError(f"unknown precision '{self.name}'; accepted: {', '.join(PRECISIONS)}")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
