@@ -7,7 +7,8 @@ neighbours (and sending): the measured bubble.
 
 Under ``--precision bf16-mixed`` each stage's forward runs under the strategy's autocast (``autocast``), and so
 does the first step's inference of the activations' shapes and dtypes, so the buffers torch allocates to
-receive them have the dtype the stages send (bfloat16); backward runs outside it.
+receive them have the dtype the stages send (bfloat16 after a matrix product, float32 after a residual
+addition of a float32 input); backward runs outside it.
 
 Bytes are counted where torch builds the point-to-point operations a schedule runs (``get_fwd_send_ops``
 and the three others): activations sent forward and their gradients sent back, each tensor's bytes once.
