@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    from polytrain.train.memory import memory_line
+
     def num(key: str, spec: str = ".4f") -> str:
         value = summary.get(key)
         return "n/a" if value is None else format(value, spec)
@@ -91,8 +93,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 + (f"\n  {evaluation}" if summary.get("eval_loss") is not None else ""))
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
-            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + _restarts_line(summary)
-            + _lost_line(summary))
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
+            + _restarts_line(summary) + _lost_line(summary))
 
 
 def _nothing_trained(summary: dict[str, Any]) -> bool:

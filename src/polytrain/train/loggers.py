@@ -6,7 +6,8 @@ The metrics file contract (other tools rely on it): one JSON object per line, ea
 ``sec_per_batch``, ``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall
 seconds since the loop began, ...),
 ``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
-``eval_accuracy``, ``wall_s``, ...).
+``eval_accuracy``, ``wall_s``, each trainer rank's memory: ``peak_memory_mb``, ``rank_peak_memory_mb``,
+``rank_state_mb``, ``rank_activation_mb``, ``rank_memory_bytes`` (:mod:`polytrain.train.memory`), ...).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from polytrain.train import session
 from polytrain.train.files import atomic_save
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
+from polytrain.train.memory import MemoryMeter
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
 from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0
 from polytrain.train.straggler import StragglerInjector
@@ -53,6 +54,7 @@ class Trainer:
                  model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None,
                  layout: Layout | None = None):
         self.config = config
+        self.memory = MemoryMeter((topology or Topology()).device)  # this rank's peak from here; docs/devices.md
         self.session = session.build(config, topology or Topology(), model=model, data=data, layout=layout)
         self.strategy = self.session.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
@@ -113,7 +115,7 @@ class Trainer:
             lr = s.lr_schedule(step)
             tick = time.perf_counter()
             batch = next(batches)
-            with s.devices.step_context(step):
+            with s.devices.step_context(step), self.memory.step():
                 result = strategy.train_step(batch, lr)
                 with s.devices.phase("loss"):
                     self.guard.observe(result.loss, step + 1)
@@ -288,6 +290,7 @@ class Trainer:
             "global_batch": s.plan.global_batch,
             **strategy_numbers,
             **self.straggler.summary(self.topology),
+            **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
         }
 
 
