@@ -95,3 +95,5 @@ def test_compile_suite_plan_and_its_flags(cli_env, tmp_path, capsys):
     assert main(["bench", "--suite", "compile", "--workers", "2"]) == 2
     assert capsys.readouterr().err.strip() == ("polytrain: error: --workers is not read by --suite compile; "
                                                "drop it (see polytrain bench --help)")
+    assert main(["bench", "--suite", "compile", "--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "polytrain: error: --steps must be >= 1, got 0"

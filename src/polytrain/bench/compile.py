@@ -123,8 +123,9 @@ def run_suite(cfg: CompileBenchConfig, progress: Callable[[str], None] = lambda 
 
 
 def _peak(row: dict[str, Any]) -> str:
+    """The median of the runs' peak memory (the whole process's: it moves from run to run by tens of MiB)."""
     peaks = [p for p in row["peak_memory_mb"] if p is not None]
-    return f"{max(peaks):.0f}" if peaks else "-"
+    return f"{statistics.median(peaks):.0f}" if peaks else "-"
 
 
 def format_text(doc: dict[str, Any]) -> str:
@@ -151,7 +152,7 @@ def format_markdown(doc: dict[str, Any]) -> str:
     lines = [f"`{cfg['model']}` on `{cfg['data']}`, single, 1 thread, batch {cfg['batch_size']}, median of "
              f"{cfg['repeats']} interleaved repeats of {cfg['steps']} steps after {cfg['warmup']} warm-up "
              f"(torch {env['torch']}, {env['cores']} cores, {env['cpu']})", "",
-             "| case | examples/s | runs | first step s (max) | peak MiB (max) | final loss |",
+             "| case | examples/s | runs | first step s (max) | peak MiB (median) | final loss |",
              "|---|---|---|---|---|---|"]
     for row in doc["rows"]:
         runs = ", ".join(f"{r:.1f}" for r in row["runs_examples_per_sec"])
@@ -159,5 +160,6 @@ def format_markdown(doc: dict[str, Any]) -> str:
                      f"{_peak(row)} | {row['final_loss']:.5f} |")
     lines += ["", "| speed ratio | median | per repeat |", "|---|---|---|"]
     for ratio in doc["ratios"]:
-        lines.append(f"| {ratio['label']} | {ratio['value']:.3f} | {', '.join(f'{v:.3f}' for v in ratio['per_repeat'])} |")
+        per_repeat = ", ".join(f"{v:.3f}" for v in ratio["per_repeat"])
+        lines.append(f"| {ratio['label']} | {ratio['value']:.3f} | {per_repeat} |")
     return "\n".join(lines) + "\n"

@@ -79,7 +79,8 @@ def add_parser(sub: Any) -> None:
                                        "tokens/s is reported too")
     parser.add_argument("--worker-batch-size", type=int, metavar="N", help="throughput: examples per worker per step")
     parser.add_argument("--workers", type=int, metavar="N", help="throughput: workers of sync and DDP (default: 2)")
-    parser.add_argument("--batch-size", type=int, metavar="N", help="pipeline and compile suites: the global batch per step")
+    parser.add_argument("--batch-size", type=int, metavar="N",
+                        help="pipeline and compile suites: the global batch per step")
     parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
     parser.add_argument("--microbatches", type=_ints, metavar="M,M,..",
                         help="pipeline: micro-batch counts (default: 1,2,4,8)")
