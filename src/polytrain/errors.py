@@ -60,6 +60,13 @@ class CommunicationError(PolytrainError):
     exit_code = 1
 
 
+class MemoryLimitError(PolytrainError):
+    """A worker would pass ``--memory-limit``: the message names its rank, the limit, the allocation that failed
+    and what to try. Not a :class:`WorkerError`: the same run would fail the same way, so it is not restarted."""
+
+    exit_code = 1
+
+
 class CheckpointError(PolytrainError):
     """A checkpoint or model file could not be written: the disk is full, over quota, read-only or failing;
     the message names the directory, the bytes needed and free."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polytrain.devices.memory_limit import check_memory_limit
 from polytrain.devices.plan import PlacementPlan
 from polytrain.devices.spec import QUIET, parse_device, resolve_device
 from polytrain.errors import DeviceError
@@ -51,6 +52,10 @@ class DeviceConfig:
                                       "log", minimum=1, metavar="N")
     gpu_memory_fraction: float | None = option(None, "cap this process's share of each GPU's memory (0..1]",
                                                metavar="F", check=_check_fraction)
+    memory_limit: str | None = option(None, "the most memory each worker may allocate for training, above what "
+                                      "it holds at start (CPU: its private memory, Linux; GPU: the same cap as "
+                                      "--gpu-memory-fraction); past it a worker fails with one line: 600MiB, 2GB, "
+                                      "...", metavar="SIZE", check=check_memory_limit)
 
     def plan(self) -> PlacementPlan | None:
         """The placement plan of ``--placement`` then ``--place`` (flag entries win); None if neither."""
@@ -65,6 +70,8 @@ def check_device_config(config: DeviceConfig, workers: int = 1) -> PlacementPlan
     With soft placement nothing is resolved here: each worker makes (and logs) its own fallback decisions.
     """
     plan = config.plan()
+    if config.memory_limit is not None and config.gpu_memory_fraction is not None:
+        raise DeviceError("--memory-limit and --gpu-memory-fraction both cap a GPU's memory; give one of them")
     if config.soft_placement:
         return plan
     for local_rank in range(max(1, workers)):  # 'cuda' means each worker's own GPU: check every one

@@ -64,6 +64,7 @@ class Job:
     expendable: tuple[int, ...] = ()  # ranks the job goes on without (--tolerate-worker-loss)
     orderly_stop: bool = False  # stop signals ask for an orderly stop (ctx.stop) instead of their default
     layout: Layout | None = None
+    memory_limit: str | None = None  # --memory-limit, applied in the worker (devices/memory_limit.py)
 
 
 def with_heartbeat(beat: Any, fn: Callable[..., Any], *args: Any) -> Any:

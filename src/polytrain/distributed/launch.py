@@ -36,6 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
+from polytrain.devices.memory_limit import limited, parse_size
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.context import Job, WorkerContext
 from polytrain.distributed.layout import Layout
@@ -139,7 +140,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            soft_placement: bool = False, host_memory: str = "cache",
            rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0,
            expendable: Sequence[int] = (), stop: StopSignal | None = None,
-           layout: Layout | None = None) -> list[Any]:
+           layout: Layout | None = None, memory_limit: str | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -163,33 +164,45 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     count, rank names and expendable ranks stand for ``workers``, ``rank_names`` and ``expendable``, and every
     worker finds it as ``ctx.layout``.
 
+    ``memory_limit``: ``--memory-limit`` (``"600MiB"``), applied in each worker, and in this process around
+    ``fn`` when it runs here (restored after): :mod:`polytrain.devices.memory_limit`.
+
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
     ``if __name__ == "__main__":``, as with any spawned process.
     """
     if host_memory not in HOST_MEMORY_CHOICES:
         raise ConfigError(f"host_memory must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {host_memory!r}")
+    if memory_limit is not None:
+        try:
+            parse_size(memory_limit)
+        except ValueError as exc:
+            raise ConfigError(f"--memory-limit: {exc}") from None
     if layout is not None:
         workers, expendable = layout.processes, layout.expendable
         rank_names = [layout.name(rank) for rank in range(layout.processes)] if layout.names else rank_names
     if under_torchrun():
         check_torchrun_expendable(expendable)
         set_host_memory(host_memory)
-        return [join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout,
-                               orderly_stop=stop is not None, layout=layout)]
+        local = resolve_device(device, local_rank=int(os.environ.get("LOCAL_RANK", 0)), soft=soft_placement,
+                               log=QUIET)
+        with limited(memory_limit, local, int(os.environ["RANK"])):  # this process is the worker
+            return [join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout,
+                                   orderly_stop=stop is not None, layout=layout)]
     if getattr(mp.current_process(), "_inheriting", False):
         raise ConfigError("workers were started from a worker that was still starting: the script starts "
                           "training when imported; put that call under `if __name__ == \"__main__\":`")
     count = resolve_workers(workers, device)
     if count == 1:
         set_host_memory(host_memory)
-        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement, stop, layout)]
+        return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement, stop, layout,
+                                memory_limit)]
     job = Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory, heartbeat_timeout=heartbeat_timeout,
                rank_names=tuple(rank_names) if rank_names else None,
                expendable=_check_expendable(expendable, count, heartbeat_timeout), orderly_stop=stop is not None,
-               layout=layout)
+               layout=layout, memory_limit=memory_limit)
     return _spawn(job, master_port, rank_names, stop)
 
 
@@ -211,12 +224,13 @@ def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_time
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
                     log_all_ranks: bool, soft_placement: bool = False, stop: StopSignal | None = None,
-                    layout: Layout | None = None) -> Any:
+                    layout: Layout | None = None, memory_limit: str | None = None) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
     if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
         torch.set_num_threads(threads)
     topology = Topology(device=resolve_device(device, soft=soft_placement))
-    return fn(WorkerContext(topology, stop if stop is not None else StopSignal(), layout), *args)
+    with limited(memory_limit, topology.device):  # this process's own limit again after the run
+        return fn(WorkerContext(topology, stop if stop is not None else StopSignal(), layout), *args)
 
 
 def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None = None,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.devices.host_memory import set_host_memory
+from polytrain.devices.memory_limit import apply_memory_limit, memory_error
 from polytrain.devices.spec import resolve_device
 from polytrain.distributed.context import Job, WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
@@ -98,13 +99,15 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
                            connect_timeout=job.timeout_s, names=job.rank_names,
                            report=lambda error: send_report(conn, "error", describe_exception(error)),
                            lost=topology.lost)
+
+        apply_memory_limit(job.memory_limit, topology.device, rank)  # counted from here: docs/devices.md
         try:
             result = with_heartbeat(beat, job.fn, WorkerContext(topology, stop, job.layout), *job.args)
         finally:
             dist.destroy_process_group()
         send_report(conn, "ok", result)
     except BaseException as exc:  # report everything, including SystemExit, to the launcher
-        send_report(conn, "error", describe_exception(exc))
+        send_report(conn, "error", describe_exception(memory_error(exc)))  # past --memory-limit: one line
         conn.close()
         os._exit(1)
     conn.close()

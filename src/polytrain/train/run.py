@@ -102,7 +102,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         timeout=config.launch.timeout, threads_per_worker=config.launch.threads_per_worker,
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
-        heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop,
+        heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop, memory_limit=config.device.memory_limit,
     )
     summary = results[0]  # under torchrun: this process's own
     if isinstance(summary, dict) and summary.get("stopped"):

@@ -1,0 +1,169 @@
+"""``--memory-limit SIZE`` (polytrain/devices/memory_limit.py): sizes, the one line before anything starts, and a
+worker past the limit failing with one line under single and sync, the other ranks stopped within seconds."""
+
+import re
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.cli.main import main
+from polytrain.devices import memory_limit
+from polytrain.devices.memory_limit import ADVICE, apply_memory_limit, limited, memory_error, parse_size, vm_data
+from polytrain.errors import ConfigError, DeviceError, MemoryLimitError
+from tests.helpers.procs import alive, descendants
+
+#: ~4.9 M parameters: 74 MiB of float32 parameters, gradients and Adam state, over a limit 1.6x below that
+#: (the documented case is 62 M parameters, ~990 MB of state, under 600MiB: docs/devices.md)
+MODEL = ["--model", "transformer_lm:layers=6,dim=256,heads=4", "--data", "text:seq_len=32", "--optimizer", "adam",
+         "--batch-size", "8", "--steps", "3", "--progress", "off"]
+LIMIT = "46MiB"
+
+
+@pytest.mark.parametrize("text, size", [
+    ("600MiB", 600 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29), ("4096", 4096), ("64 KiB", 65536),
+    ("10kb", 10_000), ("3MB", 3_000_000), ("1TiB", 2**40), ("7b", 7),
+])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["0", "-5MiB", "0MiB", "abc", "12 parsecs", "1e3MB", ""])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError, match="size such as 600MiB|more than 0 bytes"):
+        parse_size(text)
+
+
+def _polytrain(*args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "polytrain", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_bad_limit_is_one_line_before_anything_starts(cli_env):
+    started = time.monotonic()
+    proc = _polytrain("--strategy", "sync", "--workers", "2", "--memory-limit", "0", env=cli_env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "polytrain: error: --memory-limit: must be more than 0 bytes, got '0'"
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("value", ["-1GB", "lots"])
+def test_bad_limits_from_the_command_line(capsys, value):
+    assert main(["train", f"--memory-limit={value}", "--steps", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("polytrain: error: --memory-limit: ") and value in line
+
+
+def test_the_limit_and_the_gpu_fraction_are_one_or_the_other():
+    with pytest.raises(DeviceError, match="--memory-limit and --gpu-memory-fraction"):
+        polytrain.fit(strategy="single", steps=1, memory_limit="1GiB", gpu_memory_fraction=0.5, progress="off")
+
+
+def _one_line_past_the_limit(stderr, ranks):
+    (line,) = [line for line in stderr.strip().splitlines() if line.strip()]
+    match = re.match(rf"polytrain: error: \[rank (\d)\] out of memory under --memory-limit {LIMIT} per worker: "
+                     r"allocating [\d.]+ [KM]iB with [\d.]+ MiB of it in use would pass it; ", line)
+    assert match and int(match.group(1)) in ranks and line.endswith(ADVICE), line
+
+
+def test_single_past_the_limit_fails_with_one_line(cli_env):
+    started = time.monotonic()
+    proc = _polytrain("--strategy", "single", *MODEL, "--memory-limit", LIMIT, env=cli_env)
+    assert proc.returncode == 1
+    _one_line_past_the_limit(proc.stderr, [0])
+    assert time.monotonic() - started < 60
+
+
+def test_sync_past_the_limit_fails_with_one_line_and_every_rank_stopped(cli_env):
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "polytrain", "train", "--strategy", "sync", "--workers", "2",
+                             *MODEL, "--memory-limit", LIMIT], env=cli_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = set()
+    while proc.poll() is None:  # every process of the job while it runs: the launcher's workers
+        seen.update(descendants(proc.pid))
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    _one_line_past_the_limit(stderr, [0, 1])
+    assert len(seen) >= 3  # the launcher and its two workers were there
+    assert not alive(sorted(seen - {proc.pid}))  # and none outlived the command
+    assert time.monotonic() - started < 60
+
+
+def test_in_process_the_callers_limit_is_restored_after_the_run():
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    common = dict(strategy="single", model="transformer_lm:layers=6,dim=256,heads=4", data="text:seq_len=32",
+                  optimizer="adam", batch_size=8, steps=2, progress="off")
+    with pytest.raises(MemoryLimitError, match=r"^\[rank 0\] out of memory under --memory-limit 46MiB per worker"):
+        polytrain.fit(**common, memory_limit=LIMIT)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    summary = polytrain.fit(**dict(common, model="mlp:hidden=16", data="digits"), memory_limit="200MiB")
+    assert summary["steps"] == 2  # a run within its limit trains as without one
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_errors_past_the_limit_become_one_line_and_others_stay_what_they_are():
+    allocator = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                             "memory: you tried to allocate 1048576 bytes. Error code 12 (Cannot allocate memory)")
+    assert memory_error(allocator) is allocator  # no limit in force: nothing to blame on it
+    with pytest.raises(MemoryLimitError) as caught, limited("8GiB", torch.device("cpu"), rank=3):
+        raise allocator
+    message = str(caught.value)
+    assert message.startswith("[rank 3] out of memory under --memory-limit 8GiB per worker: allocating 1.0 MiB "
+                              "with ") and message.endswith(ADVICE)
+    with limited("8GiB", torch.device("cpu")):
+        assert "allocating a Python object" in str(memory_error(MemoryError()))
+        wrapped = RuntimeError("[Stage 0] failed to run forward")
+        wrapped.__cause__ = allocator  # a pipeline stage's error around the allocator's
+        assert "allocating 1.0 MiB" in str(memory_error(wrapped))
+        other = ValueError("not memory")
+        assert memory_error(other) is other
+        with pytest.raises(ConfigError):  # errors that are not the limit's leave the block as they are
+            raise ConfigError("bad")
+
+
+def test_the_limit_counts_from_what_the_process_holds_at_its_start():
+    with limited("64MiB", torch.device("cpu")) as applied:
+        soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+        assert soft == applied.baseline + 64 * 2**20
+        assert applied.baseline <= vm_data()
+        kept = torch.empty(16 * 2**20, dtype=torch.uint8)  # within: fine
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            torch.empty(80 * 2**20, dtype=torch.uint8)
+        del kept
+
+
+def test_the_cpu_limit_needs_linux(monkeypatch):
+    monkeypatch.setattr(memory_limit.sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match=r"^--memory-limit 1GiB on the CPU needs Linux .* use it with a GPU"):
+        apply_memory_limit("1GiB", torch.device("cpu"), 0)
+
+
+def test_a_kernel_that_does_not_enforce_the_limit_is_one_line_and_changes_nothing(monkeypatch):
+    class Granted:  # an mmap past the limit that the kernel let through
+        def close(self):
+            pass
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    monkeypatch.setattr(memory_limit.mmap, "mmap", lambda *args, **kwargs: Granted())
+    with pytest.raises(ConfigError, match=r"^--memory-limit 64MiB: this Linux kernel does not enforce RLIMIT_DATA"):
+        apply_memory_limit("64MiB", torch.device("cpu"), 0)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_a_hard_limit_below_the_asked_one_is_one_line(python):
+    script = """
+import resource, torch
+from polytrain.devices.memory_limit import apply_memory_limit, vm_data
+resource.setrlimit(resource.RLIMIT_DATA, (vm_data() + (256 << 20),) * 2)
+apply_memory_limit("1GiB", torch.device("cpu"), 0)
+"""
+    proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert re.search(r"ConfigError: --memory-limit 1GiB: this process may not raise its data limit above "
+                     r"[\d.]+ MiB \(ulimit -d\), [\d.]+ MiB of which it holds at the start", proc.stderr), proc.stderr
