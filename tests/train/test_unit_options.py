@@ -69,6 +69,13 @@ def test_single_gradients_are_bit_identical_with_checkpointing(setting, chosen):
         trainer.session.describe().splitlines()
 
 
+def test_checkpointing_replays_bf16_autocast_bit_for_bit():
+    bundle = _bundle()
+    reference, _ = _step(Topology(), bundle, strategy="single", precision="bf16-mixed")
+    grads, _ = _step(Topology(), bundle, strategy="single", precision="bf16-mixed", activation_checkpointing="full")
+    _assert_identical(grads, reference)
+
+
 def _parallel_gradients(ctx, bundle):
     """On each rank: this rank's gradients after one step of sync, pipeline (1f1b, and zero-bubble, whose
     backward is split in an input and a weight part) and fsdp, each without and with checkpointing."""
