@@ -5,7 +5,9 @@ train``): its processes, each rank's role and name, the mesh axes of the trainer
 coordinates, the ranks the job may lose, the slices of a global batch. For ``pipeline`` and ``hybrid`` also
 the schedule: per rank, the ordered actions of one optimizer step (F forward, B backward, I/W its input and
 weight halves in the zero-bubble schedules), laid out in time by a replay with unit costs, and the bubble:
-the simulated one and the theoretical (P-1)/(vM+P-1).
+the simulated one and the theoretical (P-1)/(vM+P-1). Then each rank's memory for parameters, gradients,
+optimizer state and activations, estimated from the model built on the meta device
+(:mod:`polytrain.strategies.memory_plan`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 DESCRIPTION = """\
 Print how a run would be laid out -- processes, roles, mesh axes, slices of each global batch -- and, for
-pipeline and hybrid, each rank's schedule with its bubble, without starting any process. Takes the same
+pipeline and hybrid, each rank's schedule with its bubble, and each rank's estimated memory, without
+starting any process. Takes the same
 settings as 'polytrain train' (flags or --config FILE.toml)."""
 
 EXAMPLES = """\
@@ -44,14 +47,17 @@ def run(args: argparse.Namespace) -> int:
     from polytrain.strategies import get_strategy
     from polytrain.strategies.base import registered
     from polytrain.strategies.settings import check_settings_read
+    from polytrain.strategies.memory_plan import estimate_memory
     from polytrain.train.run import layout_of
 
     config = config_from(args)
     layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
     check_settings_read(config, get_strategy(config.train.strategy), registered())
     schedule = _schedule(config, layout)
+    memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
     if getattr(args, "json", False):
-        print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {})}, indent=2))
+        print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {}),
+                          "memory": memory.as_dict()}, indent=2))
         return 0
     print(layout.describe())
     if schedule:
@@ -59,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
         print()
         print(plan.chart(schedule["schedule"], schedule["ranks"], schedule["microbatches"]))
+    print()
+    print(memory.describe())
     return 0
 
 
