@@ -18,15 +18,15 @@ from typing import Any
 
 DESCRIPTION = """\
 Print how a run would be laid out -- processes, roles, mesh axes, slices of each global batch -- and, for
-pipeline and hybrid, each rank's schedule with its bubble, and each rank's estimated memory, without
-starting any process. Takes the same
-settings as 'polytrain train' (flags or --config FILE.toml)."""
+pipeline and hybrid, each rank's schedule with its bubble, then each rank's estimated memory, without
+starting any process. Takes the same settings as 'polytrain train' (flags or --config FILE.toml)."""
 
 EXAMPLES = """\
 examples:
   polytrain plan --strategy async --workers 3 --servers 2
   polytrain plan --strategy hybrid --dp 2 --pp 2
   polytrain plan --strategy pipeline --stages 4 --microbatches 8 --schedule interleaved-1f1b --json
+  polytrain plan --strategy fsdp --workers 4 --model transformer_lm --data text --optimizer adam
 """
 
 
