@@ -35,7 +35,7 @@ def test_soft_placement_from_the_cli_trains_on_the_cpu_and_logs_everything(cli_e
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: soft placement")]
     assert len(warnings) == 1 and "device 'cuda:1' is not available" in warnings[0] and "using cpu" in warnings[0]
-    assert "placement of Sequential (rank 0)" in proc.stdout
+    assert "placement of UnitSequential (rank 0)" in proc.stdout
     assert "operators of step 0 and their devices (rank 0)" in proc.stdout
     assert "done: 3 steps" in proc.stdout
     ops = (logs / "placement-ops-rank0-step0.txt").read_text()

@@ -87,7 +87,7 @@ def test_log_placement_writes_the_table_and_the_first_steps_operators(tmp_path, 
             "aten.add_.Tensor"} <= names
     # the console got the same: the table once, each logged step once
     messages = device_log.messages()
-    assert sum(m.startswith("placement of Sequential (rank 0)") for m in messages) == 1
+    assert sum(m.startswith("placement of UnitSequential (rank 0)") for m in messages) == 1
     assert sum(m.startswith("operators of step") for m in messages) == 2
 
 

@@ -13,8 +13,10 @@ STEPS, BATCH = 12, 64
 def _own_loop(ctx, name):
     strategy = polytrain.strategy(name, ctx)
     data = polytrain.build_data("digits")
-    polytrain.seed_everything(0)  # what fit does first: the same initial weights
-    model = strategy.prepare_model(polytrain.models.mlp(data.input_shape, data.num_classes, hidden=[32]))
+    # the initial weights polytrain.fit starts from with seed 0
+    model = polytrain.models.build_model("mlp:hidden=32", input_shape=data.input_shape,
+                                         num_classes=data.num_classes, seed=0)
+    model = strategy.prepare_model(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     for x, y in strategy.batches(data.train, batch_size=BATCH, steps=STEPS):

@@ -48,7 +48,7 @@ def test_the_default_step_is_plain_pytorch_bit_for_bit(tmp_path):
     trained, _ = _fit(tmp_path, "default", **run)
     seed_everything(0)  # what the session does before it builds the data and the model
     bundle = build_data("text:seq_len=32")
-    model = build_model(TINY, input_shape=bundle.input_shape, num_classes=bundle.num_outputs)
+    model = build_model(TINY, input_shape=bundle.input_shape, num_classes=bundle.num_outputs, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     plan = BatchPlan(len(bundle.train), 8, seed=0)
     for step in range(5):
@@ -65,7 +65,7 @@ def _own_loss_on_first_batch(data):
     """The model's own loss (shifted labels) on step 0's whole batch, from the same initial weights."""
     seed_everything(0)
     bundle = build_data(data)
-    model = build_model(OWN, input_shape=bundle.input_shape, num_classes=bundle.num_outputs)
+    model = build_model(OWN, input_shape=bundle.input_shape, num_classes=bundle.num_outputs, seed=0)
     x, y = bundle.train.get_batch(BatchPlan(len(bundle.train), 8, seed=0).global_indices(0))
     labels = x.masked_fill(y == -100, -100)
     with torch.no_grad():

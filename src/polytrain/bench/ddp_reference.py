@@ -84,7 +84,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     if data.task not in ("classification", "lm"):
         raise SystemExit(f"--data {args.data}: the DDP reference trains classifiers and language models "
                          "(cross-entropy) only")
-    model = build_model(args.model, input_shape=data.input_shape, num_classes=data.num_outputs)
+    model = build_model(args.model, input_shape=data.input_shape, num_classes=data.num_outputs, seed=args.seed)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     global_batch = args.worker_batch_size * args.workers

@@ -231,7 +231,7 @@ def split_balance(cfg: PipelineBenchConfig, stages: int, repeats: int = 11) -> d
 
     data = build_data(cfg.data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_outputs)
+    model = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_outputs, seed=cfg.seed)
     micro = cfg.batch_size // max(cfg.microbatches)
     sample = data.train.get_batch(torch.arange(micro), 0)[0]
     threads = torch.get_num_threads()

@@ -15,6 +15,7 @@ from torch import nn
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.models.cifar_cnn import cifar_cnn
+from polytrain.models.deferred import build_deferred, materialize_all
 from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
 from polytrain.models.rnn_lm import rnn_lm
@@ -69,8 +70,20 @@ def check_model(spec: str, args: dict[str, Any] | None = None) -> tuple[Any, dic
 
 
 def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: tuple[int, ...],
-                num_classes: int) -> nn.Module:
-    """Build the model named by ``spec`` for inputs of ``input_shape`` and ``num_classes`` outputs."""
+                num_classes: int, seed: int | None = None) -> nn.Module:
+    """Build the model named by ``spec`` for inputs of ``input_shape`` and ``num_classes`` outputs.
+
+    ``seed``: the model with the initial values a polytrain run of that ``--seed`` starts from, whole on the
+    CPU (what a plain PyTorch loop needs to be compared with a run). A model that initialises unit by unit
+    (:mod:`polytrain.models.deferred`) gets each unit's values from the seed and the unit's name; any other
+    is built from torch's generator as it stands, so seed it as the run does (``torch.manual_seed(seed)``).
+    Without ``seed``: built as the factory builds it, from torch's generator as it stands."""
+    if seed is not None:
+        def whole() -> nn.Module:
+            return build_model(spec, args, input_shape=input_shape, num_classes=num_classes)
+
+        deferred = build_deferred(whole, seed)
+        return materialize_all(deferred) if deferred is not None else whole()
     factory, kwargs = check_model(spec, args)
     try:
         model = call_with_accepted(

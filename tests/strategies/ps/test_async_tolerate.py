@@ -62,7 +62,8 @@ def test_without_a_loss_staleness_0_ends_as_without_the_option(tmp_path, monkeyp
     assert tolerant["workers_lost"] == [] and "workers_lost" not in strict
     assert with_option.keys() == without.keys()
     assert all(torch.equal(with_option[k], without[k]) for k in without)
-    assert tolerant["eval_loss"] == pytest.approx(strict["eval_loss"], rel=1e-9)  # one rank sums, or three
+    # one rank sums the evaluation, or three: float32 sums in another order
+    assert tolerant["eval_loss"] == pytest.approx(strict["eval_loss"], rel=1e-6)
 
 
 def test_worker_batch_size_counts_every_worker_as_without_the_option(tmp_path, monkeypatch):
