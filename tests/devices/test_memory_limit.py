@@ -63,9 +63,9 @@ def test_the_limit_and_the_gpu_fraction_are_one_or_the_other():
         polytrain.fit(strategy="single", steps=1, memory_limit="1GiB", gpu_memory_fraction=0.5, progress="off")
 
 
-def _one_line_past_the_limit(stderr, ranks):
+def _one_line_past_the_limit(stderr, ranks, limit=LIMIT):
     (line,) = [line for line in stderr.strip().splitlines() if line.strip()]
-    match = re.match(rf"polytrain: error: \[rank (\d)\] out of memory under --memory-limit {LIMIT} per worker: "
+    match = re.match(rf"polytrain: error: \[rank (\d)\] out of memory under --memory-limit {limit} per worker: "
                      r"allocating [\d.]+ [KM]iB with [\d.]+ MiB of it in use would pass it; ", line)
     assert match and int(match.group(1)) in ranks and line.endswith(ADVICE), line
 
@@ -93,6 +93,33 @@ def test_sync_past_the_limit_fails_with_one_line_and_every_rank_stopped(cli_env)
     assert len(seen) >= 3  # the launcher and its two workers were there
     assert not alive(sorted(seen - {proc.pid}))  # and none outlived the command
     assert time.monotonic() - started < 60
+
+
+def test_fsdp_with_4_workers_trains_within_a_limit_single_cannot(cli_env):
+    """Each of 4 fsdp ranks holds a quarter of the 74 MiB of state (18.6 MiB) and trains within 60MiB, where
+    single fails; a unit's gathered parameters, freed each step, are returned to the kernel, not kept."""
+    limit = "60MiB"
+    proc = _polytrain("--strategy", "single", *MODEL, "--memory-limit", limit, env=cli_env)
+    assert proc.returncode == 1
+    _one_line_past_the_limit(proc.stderr, [0], limit)
+    proc = _polytrain("--strategy", "fsdp", "--workers", "4", *MODEL, "--eval-batch-size", "8",
+                      "--memory-limit", limit, env=cli_env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    peaks = re.search(r"parameters\+gradients\+optimizer ([\d. /]+) MiB", proc.stdout).group(1).split(" / ")
+    assert len(peaks) == 4 and all(float(p) < 74 / 4 + 1 for p in peaks), proc.stdout
+
+
+def test_past_the_limit_in_evaluation_the_line_says_eval_batch_size():
+    allocator = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 104857600 bytes.")
+    with limited("8GiB", torch.device("cpu"), rank=1):
+        with pytest.raises(MemoryLimitError) as caught, memory_limit.evaluating(256):
+            raise allocator
+        assert re.fullmatch(r"\[rank 1\] out of memory under --memory-limit 8GiB per worker: allocating 100.0 MiB "
+                            r"with [\d.]+ [KMG]?i?B of it in use would pass it; in evaluation: give a smaller "
+                            r"--eval-batch-size \(now 256 per worker\)", str(caught.value)), str(caught.value)
+        assert memory_error(allocator).args[0].endswith(ADVICE)  # outside evaluation: the usual advice
+    with memory_limit.evaluating(256):  # no limit in force: nothing changes
+        pass
 
 
 def test_in_process_the_callers_limit_is_restored_after_the_run():

@@ -31,6 +31,7 @@ import polytrain.components  # noqa: F401  (a worker unpickles the config of eve
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import SlicedBatches, eval_batches
+from polytrain.devices import memory_limit
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
@@ -238,11 +239,13 @@ class Trainer:
         was_training = s.model.training
         s.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
-        for x, y in eval_batches(s.data.test, self.config.train.eval_batch_size, s.slice, topo.device):
-            with s.devices.context():
-                part = self.strategy.eval_step(x, y)
-            if part is not None:
-                sums += part
+        size = self.config.train.eval_batch_size
+        with memory_limit.evaluating(size):
+            for x, y in eval_batches(s.data.test, size, s.slice, topo.device):
+                with s.devices.context():
+                    part = self.strategy.eval_step(x, y)
+                if part is not None:
+                    sums += part
         topo.all_reduce_sum(sums)
         s.model.train(was_training)
         loss_sum, correct, count = sums.tolist()
