@@ -128,11 +128,11 @@ class Strategy:
         """Take ``model`` (built alike on every rank), move and wrap it, let ``place`` put its sub-modules
         where the user asked, and build the optimizer over what this rank updates. Returns this rank's model. A
         model built on the meta device is materialised first (:mod:`polytrain.models.deferred`)."""
+        self.recipe = recipe or StepRecipe()  # before _wrap: a strategy may carry out its precision there
         self.model = self._wrap(self._materialize(model))
         if place is not None:
             place(self.model)
         self.optimizer = make_optimizer(self.model.parameters())
-        self.recipe = recipe or StepRecipe()
         self.amp = self._precision_runtime()
         return self.model
 

@@ -28,6 +28,7 @@ from torch import nn
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
+from polytrain.precision import Amp
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize, materialize_all
@@ -48,6 +49,7 @@ class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     summary = "sharded data parallel (FSDP2): each worker a slice of every batch and 1/N of the model's state"
     config_section = "fsdp"
+    own_precision = ("bf16-mixed",)  # FSDP2's MixedPrecisionPolicy (see _policy)
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
@@ -72,10 +74,11 @@ class FullyShardedDataParallel(Strategy):
             return materialize_all(model).to(self.topology.device)
         mesh, device = self.topology.mesh["dp"], self.topology.device
         reshard = bool(self.options.reshard_after_forward)
+        policy = self._policy()
 
         def shard(name: str, unit: nn.Module) -> None:
             if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
 
         if is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
             materialize(model, device, then=shard)
@@ -85,9 +88,32 @@ class FullyShardedDataParallel(Strategy):
             model = model.to(device)
             for name, unit in units(model):
                 shard(name, unit)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # what no unit holds (and the root's own)
+        root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         return model
+
+    def _policy(self, root: bool = False) -> dict[str, Any]:
+        """``--precision bf16-mixed`` as FSDP2 carries it out: each unit's parameters gathered in bfloat16 (half
+        the bytes moved) and computed in it, gradients reduce-scattered in float32 (bfloat16 sums on gloo are
+        wrong: pytorch#111131) into float32 shards the optimizer updates; the model's output in float32, so
+        the loss is float32's. Other modes: nothing (the shared step runs them)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not self._own_precision():
+            return {}
+        output = torch.float32 if root else None
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                  output_dtype=output)}
+
+    def _own_precision(self) -> bool:
+        return self.recipe.precision.name in self.own_precision and self.topology.distributed
+
+    def _precision_runtime(self) -> Amp:
+        """The shared step's autocast and scaler, except for the mode the policy carries out (one process, which
+        shards nothing, runs every mode as single does)."""
+        precision = self.recipe.precision
+        return Amp(precision, self.topology.device, active=not self._own_precision())
 
     def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """``--accumulate``: gradients reduce-scattered only in the last micro-batch's backward."""
@@ -100,21 +126,25 @@ class FullyShardedDataParallel(Strategy):
         return result
 
     def _count_traffic(self) -> None:
-        """Each step: every unit all-gathered for forward, again for backward when resharded after forward,
-        and its gradients reduce-scattered once (ring model: each rank moves (N-1)/N of the whole, per op)."""
+        """Each step: every unit all-gathered for forward, again for backward when resharded after forward (in
+        bfloat16 under the bf16-mixed policy), and its gradients reduce-scattered once (in the parameters' own
+        dtype). Ring model: each rank moves (N-1)/N of the whole, per op."""
         n = self.topology.world_size
         if n < 2:
             return
-        whole = self._param_bytes * n
-        per_op = (n - 1) / n * whole
-        ops = 3 if self.options.reshard_after_forward else 2  # gathers (2 or 1) and one reduce-scatter
-        self.traffic.add(ops * per_op, ops * per_op)
+        share = (n - 1) / n * self._param_bytes * n
+        gathered = share / 2 if self._own_precision() else share  # float32 shards gathered as bfloat16
+        gathers = 2 if self.options.reshard_after_forward else 1
+        moved = gathers * gathered + share
+        self.traffic.add(moved, moved)
 
     def describe(self) -> str:
         zero = "resharded after forward (ZeRO-3)" if self.options.reshard_after_forward else \
             "kept gathered until backward (ZeRO-2-like)"
+        mixed = "; bf16-mixed by FSDP's MixedPrecisionPolicy (gathered in bfloat16, reduced in float32)" \
+            if self._own_precision() else ""
         return f"{super().describe()}; parameters, gradients and optimizer state in {self.topology.world_size} " \
-               f"shards, each unit's parameters {zero}"
+               f"shards, each unit's parameters {zero}{mixed}"
 
     # -- the whole model's state, as single saves it --------------------------------------------------
 
