@@ -548,9 +548,7 @@ class _Context:
         stage_units = [[names[i] for i in g] for g in groups]
         per_stage = self.activations(stage_units)
         held = in_flight(opts.schedule, pp, opts.microbatches, per_stage) if per_stage else [None] * pp
-        whole = self.params(self.tensors)
-        self.notes.append(f"pipeline: before its first step every rank holds the whole model's parameters "
-                          f"({format_bytes(whole)}); the other stages' are then emptied")
+        self.notes.append(self._pipeline_build_note(per_unit))
         out = []
         for rank in range(self.layout.processes):
             me = rank % pp  # the mesh's last axis (pp) varies fastest
@@ -560,6 +558,19 @@ class _Context:
             holds = spans + (f", replica {rank // pp}" if dp > 1 else "")
             out.append(self.rank(rank, holds, tensors, held[me]))
         return out
+
+
+    def _pipeline_build_note(self, per_unit: list[list[Any]]) -> str:
+        """How a pipeline rank comes to hold only its stages: made unit by unit, or the whole model first."""
+        from polytrain.models.deferred import deferrable
+
+        if deferrable(self.model):
+            largest = max(self.params(ts) for ts in per_unit)
+            return ("pipeline: each rank makes only its stages' units, one at a time (--split-at auto: rank 0 "
+                    f"first makes each unit only while timing it, {format_bytes(largest)} at most)")
+        return (f"pipeline: before its first step every rank holds the whole model's parameters "
+                f"({format_bytes(self.params(self.tensors))}) (it cannot be built on the meta device); the other "
+                "stages' are then emptied")
 
 
 def _span(names: list[str]) -> str:

@@ -6,9 +6,10 @@ A model can be split if its forward is its units applied in order: the top-level
 consecutive units, so the names of the whole model's parameters are unchanged (``blocks.2.attn.qkv.weight``)
 and checkpoints move between strategies as they are.
 
-Cuts are given by name (``--split-at blocks.2``: a stage starts at each named unit) or chosen from each
-unit's **measured** forward+backward time on the worker's device (``--split-at auto``): the contiguous
-split whose slowest stage is fastest (a small dynamic programme over the measured milliseconds).
+Cuts are given by name (``--split-at blocks.2``: a stage starts at each named unit; nothing is timed) or
+chosen from each unit's **measured** forward+backward time on the worker's device (``--split-at auto``): the
+contiguous split whose slowest stage is fastest (a small dynamic programme over the measured milliseconds).
+A model built on the meta device is measured one unit at a time, each made only while it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -87,49 +89,113 @@ def groups(cuts: list[int], count: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)]
 
 
-def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> tuple[list[float], bool]:
+def measure(model: nn.Module, sample: torch.Tensor, repeats: int = 3, *, timed: bool = True,
+            resident: Callable[[str], ContextManager[Any]] | None = None) -> tuple[list[float], bool]:
     """Each unit's forward+backward time in milliseconds on one micro-batch (the median of ``repeats``
-    rounds over all units after a warm-up round), and whether applying the units in order gives what ``model`` gives (else the model
-    cannot be split this way).
+    rounds over all units after a warm-up round; zeros when not ``timed``), and whether the model's forward
+    is its units applied in order (else the model cannot be split this way).
+
+    ``resident(name)``, where given, is a context in which unit ``name`` holds real tensors (a model built on
+    the meta device, made one unit at a time): each unit is then made only while it runs, so no more than one
+    is held at once beyond those already made.
 
     Whatever the caller's grad mode (an evaluation runs under ``no_grad``) and the model's train/eval mode,
     the check runs in eval mode (dropout off, so both ways agree) and the timing with autograd on in train
     mode (as a training step runs); the model's modes, buffers, gradients and the RNG are left as they were."""
     parts = units(model)
+    hold = resident or (lambda name: contextlib.nullcontext())
     with _undisturbed(model, sample.device):
         model.eval()
         with torch.no_grad():
-            x, inputs = sample, []
-            for _, unit in parts:
-                inputs.append(x)
-                x = unit(x)
-            whole = model(sample)
-        same = isinstance(x, torch.Tensor) and isinstance(whole, torch.Tensor) and x.shape == whole.shape \
-            and torch.allclose(x, whole, rtol=1e-4, atol=1e-5)
-        if not same:  # refused whatever the times
-            return [0.0] * len(parts), False
+            inputs, same = _traced(model, sample, parts, hold)
+        if not same or not timed:  # refused whatever the times
+            return [0.0] * len(parts), same
         model.train()
         with torch.enable_grad():
-            times = _time_units([unit for _, unit in parts], inputs, repeats)
+            times = _time_units(parts, inputs, repeats, hold)
     return [statistics.median(kept) for kept in times], same
 
 
-def _time_units(parts: list[nn.Module], inputs: list[torch.Tensor], repeats: int) -> list[list[float]]:
-    """Each unit's forward+backward milliseconds in each of ``repeats`` rounds after a warm-up round.
+class _Traced(nn.Module):
+    """Stands in for one unit during :func:`_traced`: holds it resident, calls it, records the call. While
+    the unit is made and runs, the model holds the unit itself again (so making it by name finds it)."""
+
+    def __init__(self, index: int, name: str, slot: tuple[nn.Module, str, nn.Module], calls: list,
+                 hold: Callable[[str], Any]):
+        super().__init__()
+        object.__setattr__(self, "_call", (index, name, slot, calls, hold))  # not a sub-module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        index, name, (parent, leaf, unit), calls, hold = self._call
+        parent._modules[leaf] = unit
+        try:
+            with hold(name):
+                out = unit(*args, **kwargs)
+        finally:
+            parent._modules[leaf] = self
+        calls.append((index, args[0] if len(args) == 1 and not kwargs else None, out))
+        return out
+
+    def __getattr__(self, attr: str) -> Any:  # a forward that reads a unit's attribute still sees the unit's
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_call")[2][2], attr)
+
+
+def _traced(model: nn.Module, sample: torch.Tensor, parts: list[tuple[str, nn.Module]],
+            hold: Callable[[str], Any]) -> tuple[list[torch.Tensor], bool]:
+    """``model(sample)`` with each unit's call recorded (and the unit held resident while it runs): the
+    input each unit was given, and whether the forward was the units applied in order (each called once, in
+    order, the first on ``sample``, each on the output of the one before, the last's output the model's)."""
+    calls: list[tuple[int, Any, Any]] = []
+    slots = []
+    for index, (name, unit) in enumerate(parts):
+        parent_name, _, leaf = name.rpartition(".")
+        slot = (model.get_submodule(parent_name), leaf, unit)
+        slots.append(slot)
+        slot[0]._modules[leaf] = _Traced(index, name, slot, calls, hold)
+    try:
+        whole = model(sample)
+    finally:
+        for parent, leaf, unit in slots:
+            parent._modules[leaf] = unit
+    inputs = [given for _, given, _ in calls]
+    same = [index for index, _, _ in calls] == list(range(len(parts))) and _close(inputs[0], sample) and \
+        all(_close(inputs[i], calls[i - 1][2]) for i in range(1, len(calls))) and _close(calls[-1][2], whole)
+    return inputs, same
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are real tensors of one shape and dtype with (nearly) equal values."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.is_meta or b.is_meta:
+        return False
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return a is b or torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+
+
+def _time_units(parts: list[tuple[str, nn.Module]], inputs: list[torch.Tensor], repeats: int,
+                hold: Callable[[str], Any]) -> list[list[float]]:
+    """Each unit's forward+backward milliseconds in each of ``repeats`` rounds after a warm-up round (each
+    unit held resident for its turn; the making is not timed).
 
     Round after round over all units, not unit after unit: a burst of load from other processes then
     lands on one round of every unit, which the median drops, not on all rounds of a few units."""
     times: list[list[float]] = [[] for _ in parts]
     for round_ in range(repeats + 1):  # round 0 warms up
-        for unit, given, kept in zip(parts, inputs, times):
-            x = given.detach().requires_grad_(given.is_floating_point())
-            start = time.perf_counter()
-            out = unit(x)
-            out.backward(torch.ones_like(out))
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
-            if round_:
-                kept.append((time.perf_counter() - start) * 1e3)
+        for (name, unit), given, kept in zip(parts, inputs, times):
+            with hold(name):
+                x = given.detach().requires_grad_(given.is_floating_point())
+                start = time.perf_counter()
+                out = unit(x)
+                out.backward(torch.ones_like(out))
+                if out.device.type == "cuda":
+                    torch.cuda.synchronize(out.device)
+                if round_:
+                    kept.append((time.perf_counter() - start) * 1e3)
     return times
 
 
@@ -162,7 +228,7 @@ class Split:
     names: tuple[str, ...]
     cuts: tuple[int, ...]
     params: tuple[int, ...]  # per unit
-    ms: tuple[float, ...]  # per unit, measured
+    ms: tuple[float, ...]  # per unit, measured (zeros for a split given by name: not timed)
     how: str  # "measured" or "--split-at"
 
     def stage_units(self, stage: int) -> list[str]:
@@ -172,12 +238,16 @@ class Split:
         return [sum(self.ms[i] for i in g) for g in groups(list(self.cuts), len(self.names))]
 
     def describe(self, stage_rank: list[int]) -> str:
-        lines = [f"pipeline split ({self.how}; forward+backward ms measured on one micro-batch):"]
+        timed = self.how == "measured"
+        what = "forward+backward ms measured on one micro-batch" if timed else "not timed"
+        lines = [f"pipeline split ({self.how}; {what}):"]
         for stage, g in enumerate(groups(list(self.cuts), len(self.names))):
             names = [self.names[i] for i in g]
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            ms = f", {sum(self.ms[i] for i in g):.2f} ms" if timed else ""
             lines.append(f"  stage {stage} (rank {stage_rank[stage]}): {span} ({len(names)} units), "
-                         f"{sum(self.params[i] for i in g):,} parameters, {sum(self.ms[i] for i in g):.2f} ms")
-        ms = self.stage_ms()
-        lines.append(f"  slowest/fastest stage: {max(ms) / max(min(ms), 1e-9):.2f}x")
+                         f"{sum(self.params[i] for i in g):,} parameters{ms}")
+        if timed:
+            ms = self.stage_ms()
+            lines.append(f"  slowest/fastest stage: {max(ms) / max(min(ms), 1e-9):.2f}x")
         return "\n".join(lines)

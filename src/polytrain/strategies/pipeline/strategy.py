@@ -9,15 +9,20 @@ stage feeds the inputs in ``--microbatches M`` pieces, the last computes the tas
 The update equals ``single``'s: each micro-batch's mean loss is divided by ``loss_divisor`` (its share of
 the global batch's units, over the D replicas), gradients are summed over the micro-batches (torch's
 ``scale_grads`` is off), averaged over ``dp`` in ``hybrid``, and ``--clip-grad-norm`` clips the norm over
-all stages. Every rank builds the whole model (the same seed, so single's initial weights) and its
-optimizer over all of it, so the optimizer's parameter indices are single's; once the split is chosen, a
-rank empties the other stages' tensors and keeps only its own resident, with their gradients and
-optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
+all stages. No rank holds the whole model: a model built on the meta device (:mod:`polytrain.models.deferred`)
+is materialised one unit at a time, each rank making only the units of its own stages, with ``single``'s
+initial values (:mod:`.build`); the other stages' tensors stay in the model holding 0 bytes. The optimizer
+is built over all the parameters, so its indices are ``single``'s; a rank keeps only its stages' gradients
+and optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
 state dict and optimizer state, as ``single`` saves them.
 
-The split is chosen at the first step (or the first evaluation, when a resumed run has no step left), on
-rank 0 (which times every unit on one micro-batch, see :mod:`.split`), and broadcast, so all ranks cut
-alike; it is logged with each stage's parameters and ms.
+With ``--split-at UNITS`` a rank makes its stages in ``prepare``. With ``--split-at auto`` the split is
+chosen at the first step (or the first evaluation, when a resumed run has no step left) on rank 0, which
+times every unit on one micro-batch, making each only while it is timed (see :mod:`.split`), and broadcasts
+it, so all ranks cut alike; each rank then makes its stages (a checkpoint loaded before is applied then).
+Either way rank 0 checks at first use that the forward is the units in order. The split is logged with
+each stage's parameters (and measured ms). A model that cannot be built on the meta device is built whole
+on every rank (with a warning), and the other stages' tensors are emptied at the cut.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
+from polytrain.models.deferred import describe_whole_build, is_deferred
 from polytrain.options import option, register_section
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.strategies.pipeline import plan, split
+from polytrain.strategies.pipeline.build import UnitMaker, release_unit
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
 from polytrain.strategies.step import StepResult, loss_divisor
 
@@ -118,6 +125,16 @@ class Pipeline(Strategy):
 
     # -- model -------------------------------------------------------------------------------------
 
+    def _materialize(self, model: nn.Module) -> nn.Module:
+        return model  # a deferred model: only this rank's stages are made (_cut); a whole one as it is
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if is_deferred(model):
+            return model  # on the meta device until this rank's stages are known
+        if self.topology.is_main:
+            get_logger().warning(describe_whole_build(model, type(model).__name__))
+        return model.to(self.topology.device)
+
     def prepare(self, model, make_optimizer, recipe=None, place=None):
         super().prepare(model, make_optimizer, recipe, place)  # every parameter: single's optimizer layout
         opts = self.options
@@ -133,58 +150,83 @@ class Pipeline(Strategy):
         self._owned_keys: tuple[str, ...] = ()
         self._busy = self._wall = self._busy_total = self._wall_total = 0.0
         self._global_units = 1
+        self.schedule = None
+        #: a deferred model's unit maker (None: the model was built whole); the state loaded before the cut
+        self._maker = UnitMaker(self.model, self.topology.device) if is_deferred(self.model) else None
+        self._loaded: dict[str, Any] | None = None
+        if self._maker is not None and split.parse_split(opts.split_at) is not None:
+            self._cut(_named_split(self.model, self.num_stages, opts.split_at))  # no sample needed
         return self.model
 
     def _owner(self, stage: int) -> int:
         return plan.stage_rank(stage, self.ranks, self.info.placement)
 
+    def _cut(self, chosen: split.Split) -> None:
+        """Take ``chosen`` as the split: this rank's stages made (a deferred model: from the seed, then the
+        state loaded before, if any) and their parameters noted as its own."""
+        self.split = chosen
+        parts = dict(split.units(self.model))
+        mine = [n for s in self.mine for n in chosen.stage_units(s)]
+        if self._maker is not None:
+            self._maker.make(set(mine))
+        for stage in self.mine:
+            self.modules[stage] = nn.Sequential(*(parts[n] for n in chosen.stage_units(stage)))
+        self._owned_keys = tuple(f"{n}." for n in mine)
+        self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            self._load_own(loaded)
+
     def _ensure_stages(self, sample: torch.Tensor) -> None:
-        """Cut the model (first use): rank 0 measures and chooses, every rank builds its stages alike."""
-        if self.split is not None:
+        """At first use: the split chosen (``auto``) or the given one checked, on rank 0, and broadcast; then
+        every rank holds only its stages and builds its part of the schedule."""
+        if self.schedule is not None:
             return
-        opts, topo = self.options, self.topology
+        topo = self.topology
         chosen = None
         if topo.rank == 0:
             try:
-                chosen = choose_split(self.model, sample, self.num_stages, opts.split_at)
+                chosen = self._choose(sample)
             except ConfigError as exc:
                 chosen = exc
         chosen = topo.broadcast_object(chosen)
         if isinstance(chosen, ConfigError):
             raise chosen
-        self.split = chosen
         if topo.rank == 0:
             get_logger().info(chosen.describe([self._owner(s) for s in range(self.num_stages)]))
-        parts = dict(split.units(self.model))
-        for stage in self.mine:
-            names = chosen.stage_units(stage)
-            self.modules[stage] = nn.Sequential(*(parts[n] for n in names))
-            self._owned_keys += tuple(f"{n}." for n in names)
-        self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
-        self._release_others(parts)
+        if self.split is None:
+            self._cut(chosen)
+        self._release_others()
         group = topo.axis_group("pp")
         self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
                               for s in self.mine]
         for stage in self.stage_objects:  # --precision bf16-mixed: each stage's forward under autocast
             stage.autocast = self.amp.autocast
-        cls = plan.torch_schedule_class(opts.schedule)
+        cls = plan.torch_schedule_class(self.options.schedule)
         stages = self.stage_objects[0] if self.info.chunks == 1 else self.stage_objects
         # scale_grads off: each micro-batch's loss is already weighed by its share of the global batch
-        self.schedule = cls(stages, opts.microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = cls(stages, self.options.microbatches, loss_fn=self._loss, scale_grads=False)
 
-    def _release_others(self, parts: dict[str, nn.Module]) -> None:
+    def _choose(self, sample: torch.Tensor) -> split.Split:
+        """Rank 0: the split (measured for ``auto``), after checking that the forward is the units in order.
+        A deferred model's units not yet made are made one at a time for it, and returned to meta after."""
+        resident = self._maker.resident if self._maker is not None else None
+        chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
+        return chosen if self.split is None else self.split
+
+    def _release_others(self) -> None:
         """Keep only this rank's stages resident: the other units' tensors are emptied in place (their
         Parameter objects stay, so the optimizer's indices remain single's) and their optimizer state is
         dropped. That state could only be a resumed checkpoint's, never updated here; kept, it would also
         overwrite the owner's when the stages' states are gathered into one."""
         mine = {id(unit) for s in self.mine for unit in self.modules[s]}
-        for unit in parts.values():
+        for _, unit in split.units(self.model):
             if id(unit) in mine:
                 continue
-            for tensor in [*unit.parameters(), *unit.buffers()]:
-                if self.optimizer is not None:
-                    self.optimizer.state.pop(tensor, None)
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            if self.optimizer is not None:
+                for param in unit.parameters():
+                    self.optimizer.state.pop(param, None)
+            release_unit(unit, self.topology.device)
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         task = self.recipe.task
@@ -263,7 +305,7 @@ class Pipeline(Strategy):
         return {**super().take_metrics(), "pp_busy_s": round(busy, 4), "pp_idle_s": round(wall - busy, 4)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        resident = sum(t.numel() for t in self.model.parameters()) if self.model is not None else 0
+        resident = sum(t.numel() for t in self.model.parameters() if not t.is_meta) if self.model is not None else 0
         per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total, resident))
         opts = self.options
         theory = plan.theoretical_bubble(self.ranks, opts.microbatches, self.info.chunks)
@@ -286,9 +328,13 @@ class Pipeline(Strategy):
     def _whole_model(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict on the trainers' rank 0 (None elsewhere): each stage's tensors
         gathered from the first replica. Collective."""
+        if self.split is None:  # not cut yet: a whole model is the same on every rank; a deferred one is unmade
+            if not self.trainers.is_main:
+                return None
+            if self._maker is None:
+                return self.model.state_dict()
+            return dict(self._loaded["model"]) if self._loaded is not None else self._maker.initial_state()
         whole = self.model.state_dict()
-        if self.split is None:  # not cut yet: every rank holds the same whole model
-            return whole if self.trainers.is_main else None
         mine = {k: v.detach().cpu() for k, v in whole.items() if self._mine(k)}
         parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
         if not self.trainers.is_main:
@@ -297,12 +343,19 @@ class Pipeline(Strategy):
             whole.update(part)
         return whole
 
+    def _optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
+        not cut yet, which holds no state of its own."""
+        assert self.optimizer is not None
+        if self.split is None and self._maker is not None and self._loaded is not None:
+            return self._loaded["optimizer"]
+        return self.optimizer.state_dict()
+
     def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
         model = self._whole_model()
         if not optimizer:
             return None if model is None else {"model": model}
-        assert self.optimizer is not None
-        optimizer = self.optimizer.state_dict()  # indices are the whole model's; each rank holds its stages'
+        optimizer = self._optimizer_state()  # indices are the whole model's; each rank holds its stages'
         states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
         if model is None:
             return None
@@ -310,6 +363,32 @@ class Pipeline(Strategy):
         for part in states:
             merged.update(part)
         return {"model": model, "optimizer": {**optimizer, "state": dict(sorted(merged.items()))}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the whole model's state (every rank gets all of it): a rank takes its stages' tensors and
+        optimizer state; a deferred model not cut yet keeps the state until its stages are made."""
+        if self.split is not None:
+            self._load_own(state)
+        elif self._maker is not None:
+            self._loaded = state
+        else:
+            super().load_state_dict(state)
+
+    def _load_own(self, state: dict[str, Any]) -> None:
+        """This rank's stages' tensors and optimizer state from the whole model's ``state``."""
+        assert self.optimizer is not None
+        model = state["model"]
+        expected = set(self.model.state_dict())
+        if set(model) != expected:
+            missing, unexpected = sorted(expected - set(model)), sorted(set(model) - expected)
+            raise RuntimeError(f"loading the model's state: missing keys {missing}, unexpected keys {unexpected}")
+        self.model.load_state_dict({k: v for k, v in model.items() if self._mine(k)}, strict=False)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        owned = {id(p) for p in self.owned}
+        mine = {i for i, p in enumerate(params) if id(p) in owned}
+        optimizer = state["optimizer"]
+        self.optimizer.load_state_dict({**optimizer, "state": {k: v for k, v in optimizer["state"].items()
+                                                               if int(k) in mine}})
 
     def describe(self) -> str:
         opts = self.options
@@ -355,18 +434,31 @@ def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:
     return names
 
 
-def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str) -> split.Split:
-    """Measure every unit on ``sample`` (the model and the RNG left as they were, so training is unchanged)
-    and cut where ``split_at`` says or where the measured cost is balanced."""
+def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str,
+                 resident: Any = None) -> split.Split:
+    """Check on ``sample`` that the model's forward is its units in order, then cut where ``split_at`` says,
+    or where the cost measured on ``sample`` is balanced (``auto``); the model and the RNG are left as they
+    were, so training is unchanged. ``resident``: see :func:`.split.measure` (a model made unit by unit)."""
     names = check_split(model, stages, split_at)
-    ms, same = split.measure(model, sample)
+    starts = split.parse_split(split_at)
+    ms, same = split.measure(model, sample, timed=starts is None, resident=resident)
     if not same:
         raise ConfigError("the model's forward is not its units applied in order "
                           f"({', '.join(names)}); a pipeline can split only such models")
-    starts = split.parse_split(split_at)
     cuts = split.cuts_from_names(names, starts, stages) if starts else split.balanced_cuts(ms, stages)
+    return _split(model, names, cuts, ms, "--split-at" if starts else "measured")
+
+
+def _named_split(model: nn.Module, stages: int, split_at: str) -> split.Split:
+    """The split ``--split-at UNITS`` names, without running the model."""
+    names = check_split(model, stages, split_at)
+    cuts = split.cuts_from_names(names, split.parse_split(split_at), stages)
+    return _split(model, names, cuts, [0.0] * len(names), "--split-at")
+
+
+def _split(model: nn.Module, names: list[str], cuts: list[int], ms: list[float], how: str) -> split.Split:
     params = tuple(sum(p.numel() for p in unit.parameters()) for _, unit in split.units(model))
-    return split.Split(tuple(names), tuple(cuts), params, tuple(ms), "--split-at" if starts else "measured")
+    return split.Split(tuple(names), tuple(cuts), params, tuple(ms), how)
 
 
 def _meta_model(config: Any) -> nn.Module | None:
