@@ -1,7 +1,8 @@
 """``polytrain bench``: throughput of single, sync and plain PyTorch DDP on the same steps, in one run
 (``--suite throughput``, the default); a pipeline's speed-up against its theoretical one
 (``--suite pipeline``); every pipeline configuration run 200 steps under a time limit (``--suite
-pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``)."""
+pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``); fsdp against a
+plain fully_shard loop, with each rank's memory (``--suite fsdp``)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,15 @@ a table of steps, seconds and ok / failed / hung.
 
 --suite compile: single with 1 thread, the same batches four ways: eager, --compile, --activation-checkpointing
 full, and both; examples/s after the warm-up steps, the first step's seconds (compilation), peak memory and
-final loss of each, and the speed ratios compiled / eager and checkpointed / eager."""
+final loss of each, and the speed ratios compiled / eager and checkpointed / eager.
 
-SUITES = ("throughput", "pipeline", "pipeline-soak", "compile")
+--suite fsdp: polytrain --strategy fsdp with --workers N x 1 thread against a plain FSDP2 loop (fully_shard on
+each unit and the root, Adam or SGD, cross-entropy) on the same model, initial values and batches, and
+polytrain sync for reference; examples/s after the warm-up (and by the median step), the speed ratio fsdp /
+plain (median of the per-repeat ratios, with min-max) and each rank's peak memory and parameter, gradient
+and optimizer bytes."""
+
+SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp")
 
 #: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {
@@ -53,6 +60,8 @@ QUICK = {
     "pipeline-soak": {"steps": 4, "timeout": 120.0},
     "compile": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "batch_size": 8,
                 "warmup": 1, "steps": 2, "repeats": 1},
+    "fsdp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "worker_batch_size": 4,
+             "warmup": 1, "steps": 2, "repeats": 1},
 }
 
 
@@ -77,8 +86,10 @@ def add_parser(sub: Any) -> None:
                                         "with --data text")
     parser.add_argument("--data", help="in-memory dataset (default: the suite's); for language-model data "
                                        "tokens/s is reported too")
-    parser.add_argument("--worker-batch-size", type=int, metavar="N", help="throughput: examples per worker per step")
-    parser.add_argument("--workers", type=int, metavar="N", help="throughput: workers of sync and DDP (default: 2)")
+    parser.add_argument("--worker-batch-size", type=int, metavar="N",
+                        help="throughput and fsdp: examples per worker per step")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="throughput and fsdp: workers of sync, DDP and fsdp (default: 2)")
     parser.add_argument("--batch-size", type=int, metavar="N",
                         help="pipeline and compile suites: the global batch per step")
     parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
@@ -91,12 +102,14 @@ def add_parser(sub: Any) -> None:
                                                                "configuration, default 200)")
     parser.add_argument("--repeats", type=int, metavar="N",
                         help="runs of every case, interleaved; the median counts (default: 3)")
-    parser.add_argument("--lr", type=float, help="SGD learning rate")
+    parser.add_argument("--lr", type=float, help="learning rate")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), help="fsdp: the optimizer of every case (default: adam)")
     parser.add_argument("--seed", type=int, help="seed (default: 0)")
     parser.add_argument("--timeout", type=float, metavar="S", help="collective timeout (pipeline-soak: wall-clock "
                                                                    "seconds per configuration, default 300)")
     parser.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES,
-                        help="throughput: freed tensor memory in every case, the DDP script's too (default: cache)")
+                        help="throughput and fsdp: freed tensor memory in every case, the plain scripts' too "
+                             "(default: cache)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
     parser.add_argument("--plan", action="store_true", help="print the cases that would run and exit")
@@ -118,6 +131,9 @@ def _config_class(suite: str) -> type:
     if suite == "compile":
         from polytrain.bench.compile import CompileBenchConfig
         return CompileBenchConfig
+    if suite == "fsdp":
+        from polytrain.bench.fsdp import FsdpBenchConfig
+        return FsdpBenchConfig
     from polytrain.bench.cases import BenchConfig
     return BenchConfig
 
@@ -151,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         doc = _run_soak(cfg, args)
     elif args.suite == "compile":
         doc = _run_compile(cfg, args)
+    elif args.suite == "fsdp":
+        doc = _run_fsdp(cfg, args)
     else:
         doc = _run_throughput(cfg, args)
     if doc is None:
@@ -238,6 +256,19 @@ def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
     print(f"{cfg.model} on {cfg.data}, batch {cfg.batch_size}, single with 1 thread, {cfg.warmup} warm-up + "
           f"{cfg.steps} timed steps, {cfg.repeats} interleaved repeat(s):", flush=True)
     print("\n".join(f"  {case.label}" for case in CASES), flush=True)
+    if args.plan:
+        return None
+    doc = run_suite(cfg, progress=_progress)
+    print("\n" + format_text(doc))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc))
+    return doc
+
+
+def _run_fsdp(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.fsdp import describe, format_markdown, format_text, run_suite
+
+    print(describe(cfg), flush=True)
     if args.plan:
         return None
     doc = run_suite(cfg, progress=_progress)
