@@ -63,11 +63,34 @@ def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, cli_env):
 def test_export_writes_the_model_that_save_model_wrote(run, cli_env, tmp_path):
     proc = polytrain("checkpoint", "export", str(run / "ckpt"), str(tmp_path / "exported.pt"), env=cli_env)
     assert proc.returncode == 0, proc.stderr
-    assert f"the model of step 20 (4 tensors) from {run / 'ckpt' / 'step-00000020.pt'}" in proc.stdout
+    assert f"the model of step 20 (4 tensors, pt) from {run / 'ckpt' / 'step-00000020.pt'}" in proc.stdout
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)
     saved = torch.load(run / "model.pt", weights_only=True)
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     build_model("mlp:hidden=32", input_shape=(1, 8, 8), num_classes=10).load_state_dict(exported)  # strict
+
+
+def test_a_sharded_runs_parts_are_inspected_and_exported_as_single_and_safetensors(cli_env, tmp_path):
+    """fsdp writes its checkpoint in parts; inspect counts their bytes and checksums, export puts the model
+    together in single's layout, as torch.save's file or as safetensors, equal to --save-model's."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ck"
+    proc = polytrain("train", "--strategy", "fsdp", *TRAIN[2:], "--steps", "4", "--checkpoint-dir", str(ckpt),
+                     "--save-model",
+                     str(tmp_path / "model.pt"), env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    inspect = polytrain("checkpoint", "inspect", str(ckpt), env=cli_env)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "ok, size and SHA-256 match its manifest (and its 2 parts')" in inspect.stdout
+    assert inspect.stdout.splitlines()[-1].endswith("written by 2 ranks in parts, each its shard")
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    for name, reader in (("m.pt", lambda p: torch.load(p, weights_only=True)), ("m.safetensors", load_file)):
+        out = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / name), env=cli_env)
+        assert out.returncode == 0, out.stderr
+        exported = reader(tmp_path / name)
+        assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert "(4 tensors, safetensors)" in out.stdout
 
 
 def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_path):

@@ -4,7 +4,7 @@ these cover every ordered pair of strategies (a checkpoint of A is one of single
 One single run writes the canonical checkpoint at step 4 (Adam: moments and a step count per parameter)
 and its own continuation to step 6. Each strategy, in real gloo processes, resumes the step-4 checkpoint,
 reads back what it holds before any step (bit for bit the file's model and optimizer state), trains to
-step 6 and checkpoints: the same tensor names, shapes and dtypes as single's step 6, model and optimizer;
+step 6 and checkpoints (fsdp: each rank its part, put together on reading): the same tensor names, shapes and dtypes as single's step 6, model and optimizer;
 the strategies that equal single (sync, async with one worker, pipeline, hybrid, fsdp) hold its values too. The
 examples of steps 5 and 6 (``--log-example-ids``) are single's."""
 
@@ -16,6 +16,7 @@ import torch
 import polytrain
 from polytrain.config import make_config
 from polytrain.train import example_ids
+from polytrain.train.checkpoint import load_checkpoint
 from tests.helpers.resume import assert_same_state, resume_and_read_back
 from tests.helpers.spawn import spawn
 
@@ -78,8 +79,9 @@ def test_resumes_singles_checkpoint_exactly_and_writes_its_format(tmp_path, cano
     assert_same_state(held, four)
     # steps 5 and 6 trained on single's examples, each once, whichever ranks drew them
     assert example_ids.read(tmp_path / "ids") == example_ids.read(root / "six.ids")
-    written = torch.load(directory / "step-00000006.pt", weights_only=True)
+    written = load_checkpoint(directory / "step-00000006.pt")  # fsdp's: put together from its ranks' parts
     assert written["strategy"] == strategy and summary["steps"] == 6
+    assert written.get("written_in_parts", 1) == (processes if strategy == "fsdp" else 1)
     assert _layout(written) == _layout(six)
     if equals_single:
         _close(written, six)

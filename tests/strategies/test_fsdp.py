@@ -3,6 +3,7 @@ rank holding its shard only, and checkpoints that move between world sizes and s
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import polytrain
 from polytrain.config import make_config
 from polytrain.errors import ConfigError
+from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
 from tests.helpers.resume import assert_same_state, resume_and_read_back
 from tests.helpers.spawn import spawn
@@ -48,7 +50,7 @@ def _resume(tmp_path, source, target, **more):
     and the file it resumed."""
     ckpt = tmp_path / "ck"
     polytrain.fit(**{**COMMON, **LM, "steps": 4, **source}, checkpoint_dir=str(ckpt))
-    saved = torch.load(ckpt / "step-00000004.pt", weights_only=True)
+    saved = load_checkpoint(ckpt / "step-00000004.pt")
     config = make_config(**{**COMMON, **LM, "steps": 6, **target, **more}, checkpoint_dir=str(ckpt), resume=True)
     processes = target.get("workers", 1) if target["strategy"] != "single" else 1
     held, _ = (spawn(resume_and_read_back, processes, config) if processes > 1 else
@@ -160,3 +162,49 @@ def test_bf16_mixed_trains_as_float32_does(tmp_path):
     assert mixed["eval_loss"] < 0.9 * torch.log(torch.tensor(256.0)).item()  # learned: below a uniform guess
     # two gathers a step in bfloat16 (half the bytes), the reduce-scatter in float32: 2/3 of float32's bytes
     assert mixed["bytes_sent"] == pytest.approx(full["bytes_sent"] * 2 / 3, rel=1e-6)
+
+
+def test_each_rank_writes_its_own_part_and_nothing_is_gathered(tmp_path):
+    """4 ranks: 4 part files of about a quarter of the state each, a main file without the model's tensors, a
+    manifest listing each part's size and SHA-256; put together, the checkpoint single's run would write."""
+    ckpt = tmp_path / "ck"
+    polytrain.fit(**{**COMMON, **LM, "steps": 2}, strategy="fsdp", workers=4, checkpoint_dir=str(ckpt))
+    parts = sorted(ckpt.glob("step-00000002.part-*-of-4.pt"))
+    assert [p.name for p in parts] == [f"step-00000002.part-{r}-of-4.pt" for r in range(4)]
+    main = torch.load(ckpt / "step-00000002.pt", weights_only=True)
+    assert "model" not in main and "optimizer" not in main and main["sharded"]["parts"] == 4
+    manifest = json.loads((ckpt / "step-00000002.json").read_text())
+    assert [p["file"] for p in manifest["parts"]] == [p.name for p in parts]
+    assert all(p["size"] == (ckpt / p["file"]).stat().st_size for p in manifest["parts"])
+    whole = load_checkpoint(ckpt / "step-00000002.pt")
+    state_bytes = sum(t.numel() * t.element_size() for t in whole["model"].values()) * 3  # + Adam's two moments
+    for part in parts:
+        assert part.stat().st_size < 0.3 * state_bytes + 64 * 1024  # its quarter (and the pickle's records)
+    single = tmp_path / "single"
+    polytrain.fit(**{**COMMON, **LM, "steps": 2}, strategy="single", checkpoint_dir=str(single))
+    reference = load_checkpoint(single / "step-00000002.pt")
+    assert whole["model"].keys() == reference["model"].keys()
+    assert [sorted(s) for s in whole["optimizer"]["state"].values()] == \
+        [sorted(s) for s in reference["optimizer"]["state"].values()]
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(whole["model"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_a_missing_or_damaged_part_is_told_and_an_earlier_checkpoint_used(tmp_path):
+    ckpt = tmp_path / "ck"
+    polytrain.fit(**{**COMMON, **LM, "steps": 4, "checkpoint_every": 2}, strategy="fsdp", workers=2,
+                  checkpoint_dir=str(ckpt))
+    part = ckpt / "step-00000004.part-1-of-2.pt"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    from polytrain.train.integrity import verify
+
+    assert "has a corrupted part step-00000004.part-1-of-2.pt" in verify(ckpt / "step-00000004.pt").problem
+    part.unlink()
+    assert verify(ckpt / "step-00000004.pt").problem == "lacks its part step-00000004.part-1-of-2.pt"
+    summary = polytrain.fit(**{**COMMON, **LM, "steps": 6, "checkpoint_every": 2}, strategy="fsdp", workers=2,
+                            checkpoint_dir=str(ckpt), resume=True)
+    assert summary["steps"] == 6
+    # resumed from step 2: step 4 written again, whole, and it verifies
+    assert part.exists() and verify(ckpt / "step-00000004.pt").ok

@@ -80,6 +80,23 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_with_one_line_and_the_prev
     assert "ok, size and SHA-256 match its manifest" in inspect.stdout
 
 
+def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_part(small_fs, cli_env):
+    """fsdp: each rank writes its part; one part the disk refuses undoes every part of that step."""
+    directory = small_fs(300 * 1024) / "c10"
+    done = _train(cli_env, "--strategy", "fsdp", "--workers", "2", "--checkpoint-dir", str(directory))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert re.match(r"polytrain: error: \[rank \d\] checkpoint step-00000020\.pt: part \d of 2: no space left on "
+                    r"device in \S+ \(needs about \d+ kB, \d+ kB free\); free space or give another --checkpoint-dir$",
+                    line), line
+    names = {p.name for p in directory.iterdir()}
+    assert names - {"polytrain.lock"} == {"latest", "step-00000010.pt", "step-00000010.json",
+                                          "step-00000010.part-0-of-2.pt", "step-00000010.part-1-of-2.pt"}, names
+    assert (directory / "latest").read_text().strip() == "step-00000010.pt"
+    assert verify(directory / "step-00000010.pt").verified
+
+
 def test_with_on_checkpoint_error_warn_the_run_goes_on_and_tries_every_checkpoint(small_fs, cli_env):
     directory = small_fs(300 * 1024) / "c10"
     done = _train(cli_env, "--strategy", "single", "--checkpoint-dir", str(directory),

@@ -15,13 +15,16 @@ inspect: list every checkpoint in DIR with its size and checksum status and the 
 show what the newest good one (or --step N) holds: step, strategy, world size, data position, the model's
 tensors with shapes and sizes, the optimizer state and the total size.
 export: write the model of the newest good checkpoint (or --step N) as a plain state_dict, as
-'polytrain train --save-model' writes it; torch.load(FILE, weights_only=True) reads it."""
+'polytrain train --save-model' writes it; torch.load(FILE, weights_only=True) reads it; or, for a FILE
+ending in .safetensors (or --format safetensors), as safetensors, which Hugging Face libraries read.
+A checkpoint a sharded run wrote in parts is put together first: either file is single's layout."""
 
 EXAMPLES = """\
 examples:
   polytrain checkpoint inspect runs/c10
   polytrain checkpoint inspect runs/c10 --step 1000
   polytrain checkpoint export runs/c10 model.pt
+  polytrain checkpoint export runs/c10 model.safetensors
 """
 
 
@@ -39,6 +42,10 @@ def add_parser(sub: Any) -> None:
     export.add_argument("dir", metavar="DIR", help="a --checkpoint-dir")
     export.add_argument("out", metavar="FILE", help="where to write the state_dict (e.g. model.pt)")
     export.add_argument("--step", type=int, metavar="N", help="export this step (default: the newest good one)")
+    export.add_argument("--format", choices=("pt", "safetensors"), default=None,
+                        help="pt: torch.save's (torch.load(FILE, weights_only=True) reads it); safetensors: the "
+                             "format Hugging Face libraries read (default: safetensors for a FILE ending in "
+                             ".safetensors, else pt)")
     export.set_defaults(handler=run_export)
 
 
@@ -80,12 +87,44 @@ def run_export(args: argparse.Namespace) -> int:
     model = chosen.state.get("model")
     if not isinstance(model, dict) or not model:
         raise ConfigError(f"checkpoint {chosen.path} holds no model state_dict")
+    tensors = {k: v.detach().cpu() for k, v in model.items()}
+    form = args.format or ("safetensors" if args.out.endswith(".safetensors") else "pt")
     try:
-        atomic_save({k: v.detach().cpu() for k, v in model.items()}, args.out)
+        if form == "safetensors":
+            _save_safetensors(tensors, args.out, chosen.state)
+        else:
+            atomic_save(tensors, args.out)
     except OSError as exc:
         raise ConfigError(f"{args.out}: cannot write the model there ({exc.strerror or exc})") from None
-    print(f"wrote {args.out}: the model of step {chosen.state['step']} ({len(model)} tensors) from {chosen.path}")
+    print(f"wrote {args.out}: the model of step {chosen.state['step']} ({len(model)} tensors, {form}) from "
+          f"{chosen.path}")
     return 0
+
+
+def _save_safetensors(tensors: dict[str, Any], out: str, state: dict[str, Any]) -> None:
+    """``tensors`` as a safetensors file, written to a temporary name and renamed into place. Tensors that
+    share memory (tied weights) are written as copies each: the format holds no aliases."""
+    import os
+    from pathlib import Path
+
+    from polytrain.errors import ConfigError
+    from polytrain.train.files import tmp_path
+
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("--format safetensors needs the safetensors package: "
+                          "pip install 'polytrain[safetensors]'") from None
+
+    path = Path(out)
+    tmp = tmp_path(path)
+    metadata = {"format": "pt", "polytrain_step": str(state.get("step")),
+                "polytrain_model": str((state.get("config") or {}).get("model", ""))}
+    try:
+        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _check_export_path(out: str) -> None:
@@ -151,8 +190,11 @@ def _status_line(verdict: Any) -> str:
     size = f"{verdict.size:>14,} B" if verdict.size is not None else f"{'?':>16}"
     manifest = verdict.manifest or {}
     model = (manifest.get("model") or {}).get("fingerprint")
+    parts = manifest.get("parts") or []
+    if parts:  # written in parts, one per rank: the bytes of them all
+        size = f"{verdict.size + sum(int(p.get('size', 0)) for p in parts):>14,} B"
     if verdict.verified:
-        status = "ok, size and SHA-256 match its manifest"
+        status = "ok, size and SHA-256 match its manifest" + (f" (and its {len(parts)} parts')" if parts else "")
     elif verdict.ok:
         status = "ok, but no manifest: loads, cannot be verified"
     else:
@@ -186,7 +228,9 @@ def _contents(state: dict[str, Any], file_size: int | None) -> list[str]:
         count = _count_tensors(state[key])
         if count:
             lines.append(f"{key}: {count} tensor(s), {_bytes(_tensor_bytes(state[key]))}")
-    lines.append(f"tensors in all: {_bytes(_tensor_bytes(state))}; file {_bytes(file_size or 0)}")
+    parts = state.get("written_in_parts")
+    where = f"written by {parts} ranks in parts, each its shard" if parts else f"file {_bytes(file_size or 0)}"
+    lines.append(f"tensors in all: {_bytes(_tensor_bytes(state))}; {where}")
     return lines
 
 

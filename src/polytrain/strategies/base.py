@@ -19,7 +19,9 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
 * :attr:`out_of_order`: this rank computes slices of any step, handed out at run time (async's tickets): it
   draws whole global batches, and ``out_of_order.bind(source)`` gives it the batch and LR of any step;
 * :attr:`rebalancing`: the slices of each global batch are sized by the workers' measured speed
-  (``sync --balance``): ``rebalancing.slices(...)`` gives the slice of each step.
+  (``sync --balance``): ``rebalancing.slices(...)`` gives the slice of each step;
+* :attr:`sharded_state`: this rank holds a shard of the model and its optimizer state (``fsdp``): each rank
+  writes its own part of a checkpoint, nothing gathered (``sharded_state.part()``).
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
 overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).
@@ -65,6 +67,17 @@ class OutOfOrder(Protocol):
         """Any step's batch and learning rate, before the first step."""
 
 
+class ShardedState(Protocol):
+    """A rank that holds a shard of the model and optimizer state: a checkpoint is written in parts, each rank
+    its own, with nothing gathered (:mod:`polytrain.train.sharded`)."""
+
+    def part(self) -> dict[str, Any]:
+        """This rank's pieces: ``{"model": {name: [offset, rows]}, "optimizer": {index: {key: ...}}}``."""
+
+    def skeleton(self) -> dict[str, Any]:
+        """The model's signature (whole shapes) and the optimizer's ``param_groups``, as single's would be."""
+
+
 class Rebalancing(Protocol):
     """Slices of each global batch sized by the workers' measured speed."""
 
@@ -106,6 +119,7 @@ class Strategy:
         self.own_loop: OwnLoop | None = None
         self.out_of_order: OutOfOrder | None = None
         self.rebalancing: Rebalancing | None = None
+        self.sharded_state: ShardedState | None = None
 
     # -- before anything starts ------------------------------------------------------------------------
 

@@ -91,6 +91,7 @@ class FullyShardedDataParallel(Strategy):
         root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        self.sharded_state = _Shards(self)  # checkpoints in parts: each rank writes its shards
         return model
 
     def _policy(self, root: bool = False) -> dict[str, Any]:
@@ -178,6 +179,29 @@ class FullyShardedDataParallel(Strategy):
         """The parameters' names in the order ``single``'s optimizer numbers them."""
         assert self.model is not None
         return [name for name, _ in self.model.named_parameters()]
+
+
+class _Shards:
+    """fsdp's checkpoint part: the rows of every parameter and of its optimizer state this rank holds."""
+
+    def __init__(self, strategy: FullyShardedDataParallel):
+        self.strategy = strategy
+
+    def part(self) -> dict[str, Any]:
+        from polytrain.train.sharded import model_part, optimizer_part
+
+        s = self.strategy
+        assert s.model is not None and s.optimizer is not None
+        rank, main = s.trainers.rank, s.trainers.is_main
+        return {"model": model_part(s.model.state_dict(), rank, main),
+                "optimizer": optimizer_part(s.optimizer.state_dict()["state"], rank, main)}
+
+    def skeleton(self) -> dict[str, Any]:
+        s = self.strategy
+        assert s.model is not None and s.optimizer is not None
+        model = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                 for name, t in s.model.state_dict().items() if torch.is_tensor(t)]
+        return {"model": model, "param_groups": s.optimizer.state_dict()["param_groups"]}
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ from polytrain.options import option, register_section
 from polytrain.train.files import (atomic_write_text, check_room, discard, disk_problem, estimate_bytes, fsync_dir,
                                    on_disk, os_error, save_to, tmp_path, write_text_to)
 from polytrain.train.integrity import (FORMAT, NAME, Signature, Verdict, build_manifest, dumps_manifest,
-                                       manifest_path, verify)
+                                       manifest_path, sha256_file, verify)
+from polytrain.train.sharded import PART, PART_FORMAT, part_path, parts_of
 
 LATEST = "latest"
 ON_ERROR = ("stop", "warn")
@@ -91,7 +92,7 @@ class Checkpointer:
         self.on_error = on_error
         self._written = 0  # how far a failed save had written its file
 
-    def save(self, state: dict[str, Any], step: int) -> Path | None:
+    def save(self, state: dict[str, Any], step: int, parts: list[dict[str, Any]] | None = None) -> Path | None:
         """Write step ``step``'s checkpoint and move ``latest`` to it; return its path. If the disk refuses,
         everything is as before (no new or partial file, ``latest`` unchanged) and the error is one line:
         raised, or with ``on_error="warn"`` logged as a warning and None returned."""
@@ -100,7 +101,7 @@ class Checkpointer:
         existed = path.exists()
         needed = estimate_bytes(full)
         try:
-            self._write(full, step, path, needed)
+            self._write(full, step, path, needed, parts)
         except (OSError, RuntimeError) as exc:
             if not isinstance(exc, OSError) and os_error(exc) is None:
                 raise  # not the disk's: a bug, with its traceback
@@ -119,7 +120,64 @@ class Checkpointer:
         self._prune(step)
         return path
 
-    def _write(self, full: dict[str, Any], step: int, path: Path, needed: int) -> None:
+    def save_parts(self, meta: dict[str, Any] | None, part: dict[str, Any], step: int, group: Any) -> Path | None:
+        """A sharded run's checkpoint (:mod:`polytrain.train.sharded`); collective over ``group``, the trainer
+        ranks: each writes ``part`` (its pieces) as its part file, then the main rank writes ``meta`` (the
+        checkpoint less the model and optimizer tensors) with a manifest listing every part, and moves
+        ``latest``. A part the disk refuses anywhere undoes every part, and every rank raises the same
+        CheckpointError (or, with ``on_error="warn"``, returns None; the main rank warns)."""
+        path = self.path(step)
+        mine = part_path(path, group.rank, group.world_size)
+        record, problem = self._write_part({"format": PART_FORMAT, "step": step, "rank": group.rank,
+                                            "parts": group.world_size, **part}, mine)
+        records = group.all_gather_object((record, problem))
+        failed = [(rank, p) for rank, (_, p) in enumerate(records) if p is not None]
+        if not failed:
+            end_if_orphaned(lambda: discard(tmp_path(mine)))
+            try:
+                os.replace(tmp_path(mine), mine)
+            except OSError as exc:
+                failed_here = disk_problem(exc, self.directory, on_disk(record["size"], self.directory))
+                failed = [(group.rank, failed_here or (str(exc), "free some space"))]
+            failed = [f for fs in group.all_gather_object(failed) for f in fs]
+        if failed:
+            discard(tmp_path(mine))
+            discard(mine)
+            rank, (what, fix) = failed[0]
+            message = f"checkpoint {path.name}: part {rank} of {group.world_size}: {what}"
+            if self.on_error != "warn":
+                raise CheckpointError(f"{message}; {fix} or give another --checkpoint-dir")
+            if group.is_main:
+                get_logger().warning(f"{message}; going on without it (--on-checkpoint-error warn), the next "
+                                     "checkpoint tries again")
+            return None
+        if not group.is_main:
+            return path
+        assert meta is not None
+        listed = [r for r, _ in records]
+        return self.save({**meta, "sharded": {**meta["sharded"], "files": [r["file"] for r in listed]}}, step,
+                         parts=listed)
+
+    def _write_part(self, part: dict[str, Any], path: Path) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+        """This rank's part under its temporary name, fsynced: (its file, size and SHA-256; None) or (None, the
+        disk's problem and its fix)."""
+        tmp = tmp_path(path)
+        needed = estimate_bytes(part)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            check_room(self.directory, needed)
+            save_to(part, tmp)
+            return {"file": path.name, "size": tmp.stat().st_size, "sha256": sha256_file(tmp)}, None
+        except (OSError, RuntimeError) as exc:
+            if not isinstance(exc, OSError) and os_error(exc) is None:
+                raise
+            written = discard(tmp)
+            problem = disk_problem(exc, self.directory, on_disk(max(needed, written), self.directory))
+            assert problem is not None
+            return None, problem
+
+    def _write(self, full: dict[str, Any], step: int, path: Path, needed: int,
+               parts: list[dict[str, Any]] | None = None) -> None:
         """The file and its manifest are written under temporary names and renamed into place together (the
         manifest first): a ``step-N.pt`` never appears without its manifest; then ``latest`` moves."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -130,7 +188,8 @@ class Checkpointer:
         try:
             save_to(full, data_tmp)
             # hashed from the disk after the fsync: the checksum is of the bytes a later load will read
-            record = {**build_manifest(data_tmp, full, step), "file": path.name}
+            record = {**build_manifest(data_tmp, full, step), "file": path.name,
+                      **({"parts": parts} if parts is not None else {})}
             write_text_to(manifest_tmp, dumps_manifest(record))
             end_if_orphaned(lambda: (discard(data_tmp), discard(manifest_tmp)))  # the launcher died meanwhile
             os.replace(manifest_tmp, manifest)
@@ -207,6 +266,12 @@ class Checkpointer:
         for step in older[: -self.keep]:
             self.path(step).unlink(missing_ok=True)
             manifest_path(self.path(step)).unlink(missing_ok=True)
+            for part in parts_of(self.directory, step):
+                part.unlink(missing_ok=True)
+        for part in self.directory.glob("step-*.part-*-of-*.pt"):  # a failed sharded write's (no main file)
+            match = PART.match(part.name)
+            if match and int(match.group(1)) < saved and not self.path(int(match.group(1))).exists():
+                part.unlink(missing_ok=True)
 
 
 def warn_choice(choice: Choice, warn: Any, prefix: str = "") -> None:

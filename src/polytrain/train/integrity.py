@@ -59,7 +59,7 @@ def sha256_file(path: Path) -> str:
 
 def build_manifest(path: Path, state: Mapping[str, Any], step: int) -> dict[str, Any]:
     """The manifest of the checkpoint file ``path`` (complete, in place) that holds ``state``."""
-    sig = signature(state.get("model") or {})
+    sig = state["sharded"]["model"] if "sharded" in state else signature(state.get("model") or {})
     return {
         "format": MANIFEST_FORMAT,
         "checkpoint_format": FORMAT,
@@ -166,12 +166,48 @@ def verify(path: str | Path, expected: Signature | None = None,
         verdict.problem = f"is not a polytrain checkpoint (format {FORMAT})"
     elif verdict.step is not None and state.get("step") != verdict.step:
         verdict.problem = f"holds step {state.get('step')}, its name says step {verdict.step}"
-    elif expected is not None and (difference := model_difference(signature(state.get("model") or {}),
-                                                                   expected)):
+    elif "sharded" in state and (problem := _assemble(verdict, state, map_location)):
+        verdict.problem = problem
+    elif expected is not None and (difference := model_difference(
+            signature((verdict.state or state).get("model") or {}), expected)):
         verdict.problem = difference
+        verdict.state = None
     else:
-        verdict.state = state
+        verdict.state = verdict.state or state
     return verdict
+
+
+def _assemble(verdict: Verdict, main: dict[str, Any], map_location: str | torch.device) -> str | None:
+    """A checkpoint written in parts (:mod:`polytrain.train.sharded`): each part checked against the manifest
+    (size, SHA-256) and read, and the whole state put together into ``verdict.state``; the problem, if any."""
+    from polytrain.train.sharded import PART_FORMAT, assemble
+
+    listed = (verdict.manifest or {}).get("parts") or [{"file": name} for name in main["sharded"].get("files", [])]
+    if len(listed) != main["sharded"].get("parts"):
+        return f"lists {len(listed)} parts, it was written in {main['sharded'].get('parts')}"
+    contents = []
+    for entry in listed:
+        where = verdict.path.with_name(str(entry["file"]))
+        try:
+            size = where.stat().st_size
+        except OSError:
+            return f"lacks its part {where.name}"
+        if "size" in entry and size != entry["size"]:
+            return f"has a part {where.name} of {size:,} bytes, its manifest says {entry['size']:,}"
+        if "sha256" in entry and sha256_file(where) != entry["sha256"]:
+            return f"has a corrupted part {where.name} (its SHA-256 differs from the manifest's)"
+        try:
+            part = torch.load(where, map_location=map_location, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged part without a manifest: say what torch said
+            return f"has a part {where.name} that cannot be read ({str(exc).strip().splitlines()[0]})"
+        if not isinstance(part, dict) or part.get("format") != PART_FORMAT or part.get("step") != main["step"]:
+            return f"has a part {where.name} that is not step {main['step']}'s"
+        contents.append(part)
+    try:
+        verdict.state = assemble(main, contents)
+    except ValueError as exc:
+        return f"cannot be put together from its parts ({exc})"
+    return None
 
 
 def _check_manifest(verdict: Verdict, expected: Signature | None) -> str | None:

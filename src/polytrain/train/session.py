@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -97,17 +98,41 @@ class Session:
     def config_toml(self) -> str:
         return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
 
+    def save_checkpoint(self, step: int) -> Path | None:
+        """Write step ``step``'s checkpoint; its path on the trainers' rank 0 (None: not written, warned; or
+        another rank). Collective over the trainer ranks. A strategy that holds shards (``sharded_state``)
+        has each rank write its own part, gathering nothing; any other gathers the whole state to rank 0."""
+        assert self.checkpointer is not None
+        shards = self.strategy.sharded_state
+        if shards is None:
+            state = self.state_dict(step)
+            return self.checkpointer.save(state, step) if state is not None else None
+        part = to_float32(shards.part())  # bf16-true's bfloat16 widened (exact): every checkpoint is float32
+        meta = self._run_state(step)
+        if meta is not None:
+            skeleton = shards.skeleton()
+            meta["sharded"] = {"parts": self.strategy.trainers.world_size, "param_groups": skeleton["param_groups"],
+                               "model": file_signature(skeleton["model"], self.strategy.amp.precision)}
+        return self.checkpointer.save_parts(meta, part, step, self.strategy.trainers)
+
     def state_dict(self, step: int) -> dict[str, Any] | None:
         """Checkpoint contents, on the trainers' rank 0 (None elsewhere). Collective over the trainer ranks:
         the strategy gathers the whole model and optimizer, the session every trainer's RNG states."""
-        trainers = self.strategy.trainers
         model_and_optimizer = self.strategy.state_dict()
+        run = self._run_state(step)
+        if run is None:
+            return None
+        assert model_and_optimizer is not None
+        return {**to_float32(model_and_optimizer), **run}  # float32 whatever --precision (bf16-true: exact)
+
+    def _run_state(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint holds besides the model and optimizer, on the trainers' rank 0 (None elsewhere).
+        Collective: every trainer's RNG states are gathered."""
+        trainers = self.strategy.trainers
         rng = trainers.all_gather_object(capture_rng())
         if not trainers.is_main:
             return None
-        assert model_and_optimizer is not None
         return {
-            **to_float32(model_and_optimizer),  # bf16-true's bfloat16 widened (exact): every checkpoint is float32
             **self.strategy.amp.state_dict(),  # 16-mixed: the loss scaler's scale and growth count
             "schedule": str(self.lr_schedule),
             "lr": float(self.lr_schedule(step)),  # the next step's: where a resume at another batch starts from

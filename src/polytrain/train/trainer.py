@@ -257,11 +257,9 @@ class Trainer:
         self._check_finite()
         self.timed.reset()
         s = self.session
-        state = s.state_dict(step)  # every rank: the strategy gathers the model, the session the RNG states
-        if self.topology.is_main:
-            path = s.checkpointer.save(state, step)  # None: not written, warned (--on-checkpoint-error warn)
-            if path is not None:
-                s.log.info(f"checkpoint: {path}")
+        path = s.save_checkpoint(step)  # every rank (None: not written, warned: --on-checkpoint-error warn)
+        if self.topology.is_main and path is not None:
+            s.log.info(f"checkpoint: {path}")
 
     def _save_model(self) -> None:
         path = self.config.train.save_model
