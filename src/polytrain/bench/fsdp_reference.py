@@ -82,6 +82,7 @@ def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
                             timeout=timedelta(seconds=args.timeout))
     try:
         train(rank, args)
+        dist.barrier()  # every rank done with its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
 
