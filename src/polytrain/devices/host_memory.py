@@ -29,7 +29,7 @@ _MMAP_THRESHOLD = 32 << 20
 _NO_TRIM = 2**31 - 1  # mallopt takes a C int: trim only when 2 GiB lie unused at the top of the heap
 _OTHER_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
 
-_state = {"applied": "release", "why": "glibc's default"}  # this process's malloc, as set_host_memory left it
+_state = {"applied": "release", "why": "glibc's default", "large": ""}  # this process's malloc, as set_host_memory left it
 
 
 def set_host_memory(mode: str) -> str:
@@ -48,7 +48,22 @@ def set_host_memory(mode: str) -> str:
     return describe_host_memory()
 
 
+def return_large_blocks(threshold: int, why: str) -> bool:
+    """Map every block of ``threshold`` bytes or more on its own and unmap it when freed, whatever
+    ``set_host_memory`` chose (smaller blocks stay as it left them); False where malloc is not glibc's. For good
+    in this process: glibc cannot go back to its sliding threshold."""
+    if _why_not_glibc() or not _mallopt(_M_MMAP_THRESHOLD, threshold):
+        return False
+    _state.update(large=f"blocks of {threshold >> 20} MiB or more returned to the system when freed ({why})")
+    return True
+
+
 def describe_host_memory() -> str:
+    large = f"; {_state['large']}" if _state.get("large") else ""
+    return _describe() + large
+
+
+def _describe() -> str:
     if _state["applied"] == "cache":
         return "freed tensor memory kept for reuse (--host-memory cache)"
     return f"freed tensor memory returned to the system ({_state['why']})"

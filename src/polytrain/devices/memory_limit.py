@@ -10,9 +10,9 @@ The CPU analogue of TensorFlow's ``per_process_gpu_memory_fraction``. What is co
   ``RLIMIT_DATA``, set to baseline + SIZE (Linux >= 4.7 counts private writable mappings against it): an
   allocation past it fails in that worker (``malloc`` returns NULL; PyTorch raises "DefaultCPUAllocator:
   can't allocate memory", Python a ``MemoryError``), never the kernel's OOM killer. Memory the allocator
-  keeps for reuse (``--host-memory cache``) counts, as a GPU allocator's cache does. So that memory ``malloc``
-  would keep after a free is not counted against the run, blocks of 1 MiB or more are mapped on their own and
-  returned to the kernel when freed (glibc's mmap threshold fixed at 1 MiB; it stays so in the process).
+  keeps for reuse (``--host-memory cache``) counts, as a GPU allocator's cache does; but blocks of 1 MiB or
+  more are mapped on their own and returned to the kernel when freed (glibc's mmap threshold set to 1 MiB; it
+  stays so in the process), so a large block freed is not held against the limit.
 * **GPU**: ``torch.cuda.set_per_process_memory_fraction(SIZE / the device's memory)`` on the worker's device:
   the caching allocator's reserved memory is capped, and an allocation past it raises
   ``torch.OutOfMemoryError`` (host memory is not limited then).
@@ -28,7 +28,6 @@ worker's error.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import re
 import resource
@@ -40,6 +39,7 @@ from typing import Iterator
 import torch
 
 from polytrain.devices.discovery import format_bytes
+from polytrain.devices.host_memory import return_large_blocks
 from polytrain.errors import ConfigError, MemoryLimitError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -47,7 +47,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
 _CPU_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
 _GPU_BYTES = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
-_M_MMAP_THRESHOLD, _MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter; blocks of 1 MiB and more
+_MMAP_THRESHOLD = 1 << 20  # under a limit, blocks of 1 MiB and more go back to the kernel when freed
 _CACHED_STACKS = 5  # glibc caches 40 MiB of ended threads' stacks: five of 8 MiB (the default)
 ADVICE = ("try --strategy fsdp, more --workers, --activation-checkpointing full or --precision bf16-mixed "
           "(polytrain plan estimates each rank's memory)")
@@ -216,27 +216,15 @@ def _cache_thread_stacks(count: int = _CACHED_STACKS) -> None:
         thread.join()
 
 
-def _return_freed_blocks(threshold: int = _MMAP_THRESHOLD) -> bool:
-    """Have glibc's ``malloc`` map every block of ``threshold`` bytes or more on its own and unmap it when it is
-    freed. By default glibc raises that threshold to the largest block freed so far (up to 32 MiB), after
-    which such blocks come from its heap and stay there, counted, when freed: under fsdp, a unit's gathered
-    parameters (tens of MiB each step) left a worker's data 2-3x its live tensors. The setting is the
-    process's for good (glibc cannot go back to its moving threshold); False where malloc is not glibc's."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
-
-
 def _limit_data(applied: Applied) -> None:
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"--memory-limit {applied.text} on the CPU needs Linux (its RLIMIT_DATA counts a "
                           f"process's private memory); on {sys.platform} use it with a GPU (--device cuda)")
     torch.zeros(1 << 20).add_(1).sum()  # start torch's CPU threads now: their stacks belong to the baseline
     _cache_thread_stacks()
-    _return_freed_blocks()
+    # glibc keeps freed blocks below its threshold (32 MiB under --host-memory cache) in its heap, where they
+    # count: fsdp's unit gathers, freed each step, left a rank's data 2-3x its live tensors
+    return_large_blocks(_MMAP_THRESHOLD, "--memory-limit")
     applied.baseline = vm_data()
     applied.previous = resource.getrlimit(resource.RLIMIT_DATA)
     soft, hard = applied.baseline + applied.limit, applied.previous[1]
