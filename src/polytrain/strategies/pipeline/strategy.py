@@ -16,6 +16,11 @@ is built over all the parameters, so its indices are ``single``'s; a rank keeps 
 and optimizer state. Checkpoints and ``--save-model`` gather each stage's tensors into the whole model's
 state dict and optimizer state, as ``single`` saves them.
 
+``hybrid --shard-dp`` (FSDP x pipeline on the same mesh): at first use each unit of a rank's stages and the
+stage are ``fully_shard``-ed over ``dp`` (see :meth:`Pipeline._shard`), each replica holding 1/D of its stages'
+parameters, gradients and optimizer state; gradients are reduce-scattered by FSDP instead of all-reduced, and
+checkpoints gather the shards (``full_tensor``) before the stages.
+
 With ``--split-at UNITS`` a rank makes its stages in ``prepare``. With ``--split-at auto`` the split is
 chosen at the first step (or the first evaluation, when a resumed run has no step left) on rank 0, which
 times every unit on one micro-batch, making each only while it is timed (see :mod:`.split`), and broadcasts
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
@@ -71,6 +77,10 @@ class PipelineConfig:
                             strategies=("hybrid",), elsewhere=_MESH)
     pp: int | None = option(None, "hybrid: pipeline stages per replica (default: --stages)", minimum=2,
                             strategies=("hybrid",), elsewhere=_MESH)
+    shard_dp: bool = option(False, "hybrid: shard each stage's parameters, gradients and optimizer state over "
+                                   "its --dp replicas (FSDP2 fully_shard on the dp axis of the mesh), each holding "
+                                   "1/D, instead of replicating them and all-reducing the gradients",
+                            strategies=("hybrid",))
 
 
 @register_strategy
@@ -138,11 +148,15 @@ class Pipeline(Strategy):
     def prepare(self, model, make_optimizer, recipe=None, place=None):
         super().prepare(model, make_optimizer, recipe, place)  # every parameter: single's optimizer layout
         opts = self.options
+        self._make_optimizer = make_optimizer
         self.info = plan.schedule_info(opts.schedule)
         self.ranks = self.topology.axis_size("pp")
         self.me = self.topology.axis_rank("pp")
         self.replicas = self.topology.axis_size("dp")
         self.num_stages = self.ranks * self.info.chunks
+        #: --shard-dp: each stage fully_shard-ed over the dp replicas (its tensors DTensors holding 1/D)
+        self.sharded = bool(getattr(opts, "shard_dp", False)) and self.replicas > 1
+        self._stage_bytes = 0
         self.mine = plan.rank_stages(self.me, self.ranks, self.info.chunks, self.info.placement)
         self.split: split.Split | None = None
         self.modules: dict[int, nn.Module] = {}
@@ -177,6 +191,33 @@ class Pipeline(Strategy):
             loaded, self._loaded = self._loaded, None
             self._load_own(loaded)
 
+    def _shard(self) -> None:
+        """``--shard-dp``, at first use (after rank 0 has run the units whole to check the forward): each unit
+        of this rank's stages, then the stage, ``fully_shard``-ed over the dp axis. The parameters are kept
+        gathered from a step's first forward to its last backward (no gather per micro-batch); the stage's
+        gradient reduce-scatter waits for the last micro-batch (torch's ``PipelineStage`` turns the sync off
+        until then) and reshards. fully_shard replaces the Parameter objects, so the optimizer is built
+        again over the model's parameters, in ``single``'s order, and given the state it held (a resumed
+        checkpoint's), cut into this rank's shards."""
+        from torch.distributed.fsdp import fully_shard
+
+        assert self.optimizer is not None
+        held = self.optimizer.state_dict()
+        mesh = self.topology.mesh["dp"]
+        for stage in self.mine:
+            module = self.modules[stage]
+            for unit in module:
+                if any(p.requires_grad for p in unit.parameters()):
+                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
+        self._stage_bytes = sum(p.numel() * p.element_size() for p in self.owned)
+        self.optimizer = self._make_optimizer(self.model.parameters())
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict({**held, "state": {
+            i: {key: _like(value, params[int(i)]) if torch.is_tensor(value) and key != "step" else value
+                for key, value in per.items()} for i, per in held["state"].items()}})
+
     def _ensure_stages(self, sample: torch.Tensor) -> None:
         """At first use: the split chosen (``auto``) or the given one checked, on rank 0, and broadcast; then
         every rank holds only its stages and builds its part of the schedule."""
@@ -197,6 +238,8 @@ class Pipeline(Strategy):
         if self.split is None:
             self._cut(chosen)
         self._release_others()
+        if self.sharded:
+            self._shard()
         group = topo.axis_group("pp")
         self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
                               for s in self.mine]
@@ -237,9 +280,9 @@ class Pipeline(Strategy):
 
     def train_step(self, batch: Batch, lr: float) -> StepResult:
         assert self.optimizer is not None
-        self._set_lr(lr)
         opts = self.options
         self._ensure_stages(self.amp.inputs(batch.inputs[: len(batch) // opts.microbatches]))
+        self._set_lr(lr)  # after the stages are made: --shard-dp builds the optimizer again there
         self.optimizer.zero_grad(set_to_none=True)
         self._global_units = batch.global_units
         for stage in self.stage_objects:
@@ -253,7 +296,10 @@ class Pipeline(Strategy):
         self.traffic.add(sum(s.sent for s in self.stage_objects), sum(s.received for s in self.stage_objects))
         self._busy, self._wall = self._busy + busy, self._wall + wall
         self._busy_total, self._wall_total = self._busy_total + busy, self._wall_total + wall
-        if self.replicas > 1:
+        if self.sharded:  # reduce-scattered by FSDP; each parameter gathered once (kept until the last backward)
+            moved = (self.replicas - 1) / self.replicas * self._stage_bytes
+            self.traffic.add(2 * moved, 2 * moved)
+        elif self.replicas > 1:
             self._average_over_replicas()
         if self.recipe.clip_grad_norm is not None:
             self._clip(self.recipe.clip_grad_norm)
@@ -274,10 +320,13 @@ class Pipeline(Strategy):
             grad.copy_(averaged)
 
     def _clip(self, max_norm: float) -> None:
-        """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp."""
-        grads = [p.grad for p in self.owned if p.grad is not None]
+        """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp (and over
+        dp, sharded: each replica holds 1/D of its stages' gradients)."""
+        grads = [_local(p.grad) for p in self.owned if p.grad is not None]
         norms = [torch.linalg.vector_norm(g, 2) for g in grads]
         squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
+        if self.sharded:
+            dist.all_reduce(squared, group=self.topology.axis_group("dp"))
         if self.ranks > 1:
             dist.all_reduce(squared, group=self.topology.axis_group("pp"))
         coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
@@ -292,6 +341,9 @@ class Pipeline(Strategy):
         with self.amp.autocast():
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
                                 self.topology.axis_group("pp"))
+            if self.sharded:  # gathered for the forward: back to this rank's shards
+                for module in self.modules.values():
+                    _reshard(module)
             if out is None:
                 return None
             score = self.recipe.task.score(out, targets)
@@ -305,7 +357,8 @@ class Pipeline(Strategy):
         return {**super().take_metrics(), "pp_busy_s": round(busy, 4), "pp_idle_s": round(wall - busy, 4)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        resident = sum(t.numel() for t in self.model.parameters() if not t.is_meta) if self.model is not None else 0
+        resident = sum(_local(t).numel() for t in self.model.parameters() if not t.is_meta) \
+            if self.model is not None else 0
         per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total, resident))
         opts = self.options
         theory = plan.theoretical_bubble(self.ranks, opts.microbatches, self.info.chunks)
@@ -335,7 +388,7 @@ class Pipeline(Strategy):
                 return self.model.state_dict()
             return dict(self._loaded["model"]) if self._loaded is not None else self._maker.initial_state()
         whole = self.model.state_dict()
-        mine = {k: v.detach().cpu() for k, v in whole.items() if self._mine(k)}
+        mine = {k: _full(v).detach().cpu() for k, v in whole.items() if self._mine(k)}  # (sharded: collective)
         parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
         if not self.trainers.is_main:
             return None
@@ -349,7 +402,12 @@ class Pipeline(Strategy):
         assert self.optimizer is not None
         if self.split is None and self._maker is not None and self._loaded is not None:
             return self._loaded["optimizer"]
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if not self.sharded:
+            return state
+        whole = {i: {k: _full(v).cpu() if isinstance(v, DTensor) else v for k, v in per.items()}
+                 for i, per in state["state"].items()}  # gathered over dp, in the same order on every replica
+        return {**state, "state": whole}
 
     def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
         model = self._whole_model()
@@ -382,18 +440,22 @@ class Pipeline(Strategy):
         if set(model) != expected:
             missing, unexpected = sorted(expected - set(model)), sorted(set(model) - expected)
             raise RuntimeError(f"loading the model's state: missing keys {missing}, unexpected keys {unexpected}")
-        self.model.load_state_dict({k: v for k, v in model.items() if self._mine(k)}, strict=False)
+        live = self.model.state_dict()
+        self.model.load_state_dict({k: _like(v, live[k]) for k, v in model.items() if self._mine(k)}, strict=False)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         owned = {id(p) for p in self.owned}
         mine = {i for i, p in enumerate(params) if id(p) in owned}
         optimizer = state["optimizer"]
-        self.optimizer.load_state_dict({**optimizer, "state": {k: v for k, v in optimizer["state"].items()
-                                                               if int(k) in mine}})
+        own = {k: {key: _like(value, params[int(k)]) if torch.is_tensor(value) and key != "step" else value
+                   for key, value in per.items()}
+               for k, per in optimizer["state"].items() if int(k) in mine}
+        self.optimizer.load_state_dict({**optimizer, "state": own})
 
     def describe(self) -> str:
         opts = self.options
         layout = f"{self.replicas} x " if self.replicas > 1 else ""
-        return (f"{self.name}: {layout}{self.ranks} stage processes ({self.info.chunks} chunk(s) each), "
+        shards = f", each stage sharded over its {self.replicas} replicas (fully_shard)" if self.sharded else ""
+        return (f"{self.name}: {layout}{self.ranks} stage processes ({self.info.chunks} chunk(s) each){shards}, "
                 f"{opts.microbatches} micro-batches, schedule {opts.schedule}; {self.topology.describe()}")
 
 
@@ -415,6 +477,39 @@ class Hybrid(Pipeline):
             raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp} = {dp * pp} processes, but --workers "
                               f"is {workers}; pass --workers {dp * pp}")
         return dp, pp
+
+    @classmethod
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        if config.pipeline.shard_dp and layout.axis("dp") < 2:
+            raise ConfigError("--shard-dp with --dp 1 shards nothing (the one replica holds its stages whole "
+                              "anyway); give --dp 2 or more, or drop --shard-dp")
+        super().check(layout, config, model)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (collective over its mesh), or the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """A whole tensor ``value`` as ``live`` holds it: a DTensor's shard of it (cut here, no communication:
+    every rank has the whole value), else ``value`` itself."""
+    if not isinstance(live, DTensor) or value.shape != live.shape:
+        return value
+    return distribute_tensor(value.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
+
+
+def _reshard(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def _hybrid_pp(opts: PipelineConfig) -> int:
