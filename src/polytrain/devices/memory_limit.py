@@ -48,6 +48,7 @@ _SIZE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
 _CPU_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
 _GPU_BYTES = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _MMAP_THRESHOLD = 1 << 20  # under a limit, blocks of 1 MiB and more go back to the kernel when freed
+_NO_MEMORY = ("can't allocate memory", "std::bad_alloc", "could not create a primitive")
 _CACHED_STACKS = 5  # glibc caches 40 MiB of ended threads' stacks: five of 8 MiB (the default)
 ADVICE = ("try --strategy fsdp, more --workers, --activation-checkpointing full or --precision bf16-mixed "
           "(polytrain plan estimates each rank's memory)")
@@ -186,7 +187,8 @@ def _allocation(exc: BaseException) -> str | None:
         gpu = _GPU_BYTES.search(text)
         if gpu and isinstance(current, torch.OutOfMemoryError):
             return gpu.group(1)
-        if isinstance(current, MemoryError) or "can't allocate memory" in text or "std::bad_alloc" in text:
+        # oneDNN reports a kernel it had no memory for as "could not create a primitive"
+        if isinstance(current, MemoryError) or any(m in text for m in _NO_MEMORY):
             return "a Python object" if isinstance(current, MemoryError) else ""
         current = current.__cause__ or current.__context__
     return None
@@ -216,11 +218,24 @@ def _cache_thread_stacks(count: int = _CACHED_STACKS) -> None:
         thread.join()
 
 
+def _warm_kernels() -> None:
+    """Run a linear layer's forward and backward and a convolution once, so that oneDNN and the BLAS set up
+    their process-wide state (code buffers, thread-local scratch) before the baseline: set up under the
+    limit, a failure there stays with the process after the limit is lifted."""
+    with torch.enable_grad():
+        x = torch.randn(8, 64, requires_grad=True)
+        layer = torch.nn.Linear(64, 64)
+        torch.nn.functional.layer_norm(layer(x), (64,)).softmax(-1).sum().backward()
+        image = torch.randn(1, 3, 8, 8, requires_grad=True)
+        torch.nn.functional.conv2d(image, torch.randn(4, 3, 3, 3)).relu().sum().backward()
+
+
 def _limit_data(applied: Applied) -> None:
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"--memory-limit {applied.text} on the CPU needs Linux (its RLIMIT_DATA counts a "
                           f"process's private memory); on {sys.platform} use it with a GPU (--device cuda)")
     torch.zeros(1 << 20).add_(1).sum()  # start torch's CPU threads now: their stacks belong to the baseline
+    _warm_kernels()
     _cache_thread_stacks()
     # glibc keeps freed blocks below its threshold (32 MiB under --host-memory cache) in its heap, where they
     # count: fsdp's unit gathers, freed each step, left a rank's data 2-3x its live tensors
