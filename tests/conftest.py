@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cli_env():
     """Environment for running `python -m polytrain` in a subprocess against this checkout."""
+    return command_env()
+
+
+@pytest.fixture(scope="module")
+def module_cli_env():
+    """:func:`cli_env` for a module-scoped fixture."""
+    return command_env()
+
+
+def command_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RANK", None)

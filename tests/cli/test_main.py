@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.cli_batch import run_many
+
 
 def polytrain(*args, env, timeout=120):
     return subprocess.run([sys.executable, "-m", "polytrain", *args], env=env, capture_output=True, text=True,
@@ -44,7 +46,7 @@ def test_print_config_round_trips(cli_env, tmp_path):
     assert second.stdout == first.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--model", "resnet9000"], "unknown model 'resnet9000'"),
     (["--data", "imagenet"], "unknown dataset 'imagenet'"),
     (["--strategy", "magic"], "unknown strategy 'magic'"),
@@ -60,9 +62,19 @@ def test_print_config_round_trips(cli_env, tmp_path):
     (["--nope"], "unrecognized arguments: --nope"),
     # checked before any worker starts: no "[rank 0]" in front
     (["--model", "mlp:foo=1"], "error: --model mlp:foo=1: unknown argument(s) foo; accepted: hidden, activation"),
-])
-def test_bad_input_is_one_clear_line(cli_env, args, message):
-    proc = polytrain("train", "--steps", "1", *args, env=cli_env)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(module_cli_env):
+    """Every line of BAD_INPUT through the command's main, in one fresh process (one torch import, not 14)."""
+    return run_many(module_cli_env, [["train", "--steps", "1", *args] for args, _ in BAD_INPUT])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[BAD_INPUT[i][1][:40] for i in range(len(BAD_INPUT))])
+def test_bad_input_is_one_clear_line(bad_input_runs, case):
+    _, message = BAD_INPUT[case]
+    proc = bad_input_runs[case]
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

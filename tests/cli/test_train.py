@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.cli_batch import run_many
+
 
 def polytrain(*args, env, timeout=300):
     return subprocess.run([sys.executable, "-m", "polytrain", "train", *args], env=env, capture_output=True,
@@ -44,13 +46,32 @@ def test_sync_on_two_workers_equals_single_from_the_cli(cli_env, tmp_path):
         assert rel <= 1e-5, (name, rel.item())
 
 
-@pytest.mark.parametrize("args, message", [
+TOO_SMALL = [
     (["--data", "synthetic:shape=4,size=3", "--workers", "4", "--batch-size", "4"],
      "--workers 4: more workers than training examples (3)"),
     (["--data", "synthetic:shape=4,size=30", "--batch-size", "64"], "larger than the training set (30 examples)"),
-])
-def test_data_too_small_is_caught_before_launch(cli_env, args, message):
-    proc = polytrain("--steps", "1", "--strategy", "sync", *args, env=cli_env)
+]
+BAD_SETTINGS = [
+    (["--checkpoint-dir", "/proc/forbidden", "--checkpoint-every", "1"],
+     "--checkpoint-dir /proc/forbidden: cannot create or write this directory"),
+    (["--epochs", "0"], "--epochs: must be >= 1, got 0"),  # with --steps 1: the bad value, not the pair
+    (["--lr", "nan"], "--lr: must be a finite number, got nan"),
+    (["--momentum", "inf"], "--momentum: must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(module_cli_env):
+    """Every line of TOO_SMALL and BAD_SETTINGS through the command's main, in one fresh process."""
+    lines = [["train", "--steps", "1", "--strategy", "sync", *args] for args, _ in TOO_SMALL]
+    lines += [["train", "--steps", "1", "--workers", "2", *args] for args, _ in BAD_SETTINGS]
+    return run_many(module_cli_env, lines)
+
+
+@pytest.mark.parametrize("case", range(len(TOO_SMALL)), ids=[m[:30] for _, m in TOO_SMALL])
+def test_data_too_small_is_caught_before_launch(refused, case):
+    message, proc = TOO_SMALL[case][1], refused[case]
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
 
@@ -65,16 +86,9 @@ def test_a_taken_master_port_is_one_clear_line(cli_env):
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--checkpoint-dir", "/proc/forbidden", "--checkpoint-every", "1"],
-     "--checkpoint-dir /proc/forbidden: cannot create or write this directory"),
-    (["--epochs", "0"], "--epochs: must be >= 1, got 0"),  # with --steps 1: the bad value, not the pair
-    (["--lr", "nan"], "--lr: must be a finite number, got nan"),
-    (["--momentum", "inf"], "--momentum: must be a finite number, got inf"),
-    (["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
-])
-def test_bad_settings_are_one_line_before_any_worker_starts(cli_env, args, message):
-    proc = polytrain("--steps", "1", "--workers", "2", *args, env=cli_env)
+@pytest.mark.parametrize("case", range(len(BAD_SETTINGS)), ids=[m[:30] for _, m in BAD_SETTINGS])
+def test_bad_settings_are_one_line_before_any_worker_starts(refused, case):
+    message, proc = BAD_SETTINGS[case][1], refused[len(TOO_SMALL) + case]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

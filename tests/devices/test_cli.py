@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.cli_batch import run_many
+
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 # mlp:hidden=16 is Sequential(0 Flatten, 1 Linear, 2 ReLU, 3 Linear)
 RUN = ["train", "--strategy", "single", "--data", "digits", "--model", "mlp:hidden=16", "--steps", "3",
@@ -43,27 +45,37 @@ def test_soft_placement_from_the_cli_trains_on_the_cpu_and_logs_everything(cli_e
     assert (logs / "placement-rank0.txt").exists()
 
 
-@NO_CUDA
-@pytest.mark.parametrize("args, start", [
+MISSING = [
     (["--place", "1=cuda:1"], "polytrain: error: --place (1=cuda:1): device 'cuda:1' is not available"),
     (["--device", "cuda"], "polytrain: error: --device: device 'cuda:0' (from 'cuda') is not available"),
     (["--device", "/gpu:0"], "polytrain: error: --device: device 'cuda:0' (from '/gpu:0') is not available"),
-])
-def test_without_soft_placement_a_missing_device_is_one_error_line(cli_env, args, start):
-    line = _one_error_line(polytrain(cli_env, *RUN, *args))
-    assert line.startswith(start)
-    assert "available devices: cpu;" in line and "--soft-placement" in line
-
-
-@pytest.mark.parametrize("args, message", [
+]
+BAD = [
     (["--place", "head=cpu"], "--place: 'head' matches no module of the model; module names: 0, 1, 2, 3;"),
     (["--place", "1"], "--place: '1' is not MODULE=DEVICE"),
     (["--device", "gpu1"], "--device: bad device 'gpu1'"),
     (["--strategy", "sync", "--device", "cpu:3", "--workers", "4"],
      "--workers 4 and --device cpu:3 (3 workers) disagree"),
-])
-def test_bad_device_flags_are_one_error_line(cli_env, args, message):
-    assert message in _one_error_line(polytrain(cli_env, *RUN, *args))
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(module_cli_env):
+    """Every line of MISSING and BAD through the command's main, in one fresh process."""
+    return run_many(module_cli_env, [[*RUN, *args] for args, _ in MISSING + BAD])
+
+
+@NO_CUDA
+@pytest.mark.parametrize("case", range(len(MISSING)), ids=[" ".join(a) for a, _ in MISSING])
+def test_without_soft_placement_a_missing_device_is_one_error_line(bad_runs, case):
+    line = _one_error_line(bad_runs[case])
+    assert line.startswith(MISSING[case][1])
+    assert "available devices: cpu;" in line and "--soft-placement" in line
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(a) for a, _ in BAD])
+def test_bad_device_flags_are_one_error_line(bad_runs, case):
+    assert BAD[case][1] in _one_error_line(bad_runs[len(MISSING) + case])
 
 
 @NO_CUDA

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from polytrain.bench.ddp_reference import cross_entropy
+from polytrain.bench.ddp_reference import cross_entropy, leave_at_once
 from polytrain.data.batches import BatchPlan, Slice
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
@@ -83,8 +83,10 @@ def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
     try:
         train(rank, args)
         dist.barrier()  # every rank done with its collectives before any tears the group down
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_at_once()
 
 
 def train(rank: int, args: argparse.Namespace) -> None:
