@@ -103,13 +103,14 @@ def test_precision_and_activation_checkpointing_change_the_estimate():
 @pytest.mark.parametrize("strategy, extra", [
     ("sync", dict(workers=2)),
     ("pipeline", dict(stages=2, split_at="blocks.1")),
-])
+    ("hybrid", dict(workers=4, dp=2, pp=2, microbatches=2, split_at="blocks.1", shard_dp=True)),
+], ids=["sync", "pipeline", "hybrid-shard-dp"])
 def test_the_plan_equals_what_a_run_measures(strategy, extra):
     settings = dict(strategy=strategy, **extra, **LM)
     planned = _estimate(**settings)
     summary = polytrain.fit(**settings, steps=4, progress="off", eval_every=0)
     measured = summary["rank_memory_bytes"]
-    assert len(measured) == len(planned.ranks) == 2
+    assert len(measured) == len(planned.ranks) == extra.get("workers", 2)
     for plan, run in zip(planned.ranks, measured):
         assert (plan.parameters, plan.gradients, plan.optimizer) == \
             (run["parameters"], run["gradients"], run["optimizer"])

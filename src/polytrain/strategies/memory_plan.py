@@ -510,21 +510,23 @@ class _Context:
         extra = max(unit_bytes) if reshard else sum(unit_bytes)
         what = ("fsdp: the largest unit's whole parameters, gathered for its forward and backward" if reshard else
                 "fsdp --no-reshard-after-forward: every unit's whole parameters, gathered from forward to backward")
-        out = []
-        for rank in range(n):
-            params = grads = state = 0
-            for t in self.tensors:
-                rows = t.shape[0] if t.shape else 1
-                row = t.numel // max(rows, 1) * t.element_size if t.shape else t.element_size
-                chunk = -(-rows // n)
-                mine = max(0, min(chunk, rows - rank * chunk))
-                params += chunk * row
-                if t.trained:
-                    grads += chunk * row
-                    state += self.optimizers[t.element_size].bytes(mine * row // t.element_size)
-            out.append(RankMemory(rank, "trainer", f"1/{n} of the model", params, grads, state, act, extra, what,
-                                  self.data))
-        return out
+        return [RankMemory(rank, "trainer", f"1/{n} of the model", *self.sharded(self.tensors, n, rank), act, extra,
+                           what, self.data) for rank in range(n)]
+
+    def sharded(self, tensors: list[_Tensor], n: int, index: int) -> tuple[int, int, int]:
+        """(parameter, gradient, optimizer) bytes of shard ``index`` of ``n`` of ``tensors``, as FSDP2 cuts them:
+        dim-0 chunks padded to equal size, the optimizer's state over the unpadded rows."""
+        params = grads = state = 0
+        for t in tensors:
+            rows = t.shape[0] if t.shape else 1
+            row = t.numel // max(rows, 1) * t.element_size if t.shape else t.element_size
+            chunk = -(-rows // n)
+            mine = max(0, min(chunk, rows - index * chunk))
+            params += chunk * row
+            if t.trained:
+                grads += chunk * row
+                state += self.optimizers[t.element_size].bytes(mine * row // t.element_size)
+        return params, grads, state
 
     def _pipeline(self) -> list[RankMemory]:
         from polytrain.strategies.pipeline import plan, split
@@ -556,6 +558,13 @@ class _Context:
             tensors = [t for s in mine for i in groups[s] for t in per_unit[i]]
             spans = ", ".join(f"stage {s} ({_span(stage_units[s])})" for s in mine)
             holds = spans + (f", replica {rank // pp}" if dp > 1 else "")
+            if getattr(opts, "shard_dp", False) and dp > 1:  # hybrid --shard-dp: 1/dp of the stages, gathered whole
+                whole = self.params(tensors)  # from a step's first forward to its last backward
+                out.append(RankMemory(rank, self.layout.role(rank), f"1/{dp} of {holds}",
+                                      *self.sharded(tensors, dp, rank // pp), held[me], whole,
+                                      "hybrid --shard-dp: the stages' whole parameters, gathered for the step",
+                                      self.data))
+                continue
             out.append(self.rank(rank, holds, tensors, held[me]))
         return out
 
