@@ -16,6 +16,7 @@ from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
 from tests.helpers.resume import assert_same_state, resume_and_read_back
 from tests.helpers.spawn import spawn
+from tests.helpers.tensor_bytes import local_bytes
 
 LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", batch_size=16)
 # SGD with momentum at a modest rate for the CNN: a ReLU network at a high rate or with Adam turns the float-order
@@ -101,17 +102,8 @@ def _built(ctx, strategy, workers):
     trainer.fit()
     model, optimizer = trainer.strategy.model, trainer.strategy.optimizer
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    held = held_bytes(model) + _bytes(grads) + sum(_bytes(s.values()) for s in optimizer.state.values())
+    held = held_bytes(model) + local_bytes(grads) + sum(local_bytes(s.values()) for s in optimizer.state.values())
     return peak, held, max(unit_bytes(model).values())
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for value in tensors:
-        if torch.is_tensor(value):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-    return total
 
 
 def test_no_rank_holds_the_whole_model_while_making_it_nor_after():

@@ -15,6 +15,7 @@ from polytrain.errors import ConfigError
 from polytrain.train.checkpoint import load_checkpoint
 from tests.helpers.resume import assert_same_state, resume_and_read_back
 from tests.helpers.spawn import spawn
+from tests.helpers.tensor_bytes import local_bytes
 
 LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", batch_size=16)
 COMMON = dict(steps=10, seed=5, progress="off", eval_every=5, log_every=5, optimizer="adam", lr=0.003,
@@ -50,16 +51,7 @@ def _held(ctx, settings):
     model, optimizer = trainer.strategy.model, trainer.strategy.optimizer
     params = list(model.parameters())
     states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    return _bytes(params) + _bytes(p.grad for p in params) + _bytes(states)
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for value in tensors:
-        if torch.is_tensor(value):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-    return total
+    return local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(states)
 
 
 def test_each_rank_holds_about_half_of_its_stage_state():

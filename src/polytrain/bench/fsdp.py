@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from polytrain.bench.cases import interleaved, tokens_per_example
-from polytrain.bench.measure import BenchError
+from polytrain.bench.measure import BenchError, run_reference
 from polytrain.bench.report import environment
 from polytrain.errors import ConfigError
 
@@ -155,18 +154,7 @@ def plain_command(cfg: FsdpBenchConfig, result: Path, save_model: Path | None = 
 def run_plain(case: FsdpCase, cfg: FsdpBenchConfig, repeat: int, workdir: Path,
               save_model: Path | None = None) -> dict[str, Any]:
     result = workdir / f"{case.key}-{repeat}.json"
-    # generous: the loop's own collectives time out after cfg.timeout; this only catches a stuck start
-    deadline = cfg.timeout + 60 + 10 * (cfg.warmup + cfg.steps)
-    try:
-        done = subprocess.run(plain_command(cfg, result, save_model), capture_output=True, text=True,
-                              timeout=deadline)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{case.label}: no result after {deadline:.0f} s") from None
-    if done.returncode != 0 or not result.exists():
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise BenchError(f"{case.label} failed (exit code {done.returncode}):\n{tail}")
-    out = json.loads(result.read_text())
-    return out
+    return run_reference(case.label, plain_command(cfg, result, save_model), result, cfg)
 
 
 def run_case(case: FsdpCase, cfg: FsdpBenchConfig, repeat: int, workdir: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from polytrain.bench.cases import BenchConfig, Case
 from polytrain.errors import PolytrainError
@@ -73,16 +74,22 @@ def ddp_command(case: Case, cfg: BenchConfig, result: Path, save_model: Path | N
     return cmd + (["--save-model", str(save_model)] if save_model else [])
 
 
-def run_ddp(case: Case, cfg: BenchConfig, repeat: int, workdir: Path) -> Measurement:
-    result = workdir / f"{case.key}-{repeat}.json"
+def run_reference(label: str, command: list[str], result: Path, cfg: Any) -> dict[str, Any]:
+    """Run a plain PyTorch reference script (``command``) and read the measurement it wrote to ``result``;
+    a BenchError with the end of its output if it fails or never finishes."""
     # generous: the script's own collectives time out after cfg.timeout; this only catches a stuck start
     deadline = cfg.timeout + 60 + 10 * (cfg.warmup + cfg.steps)
     try:
-        done = subprocess.run(ddp_command(case, cfg, result), capture_output=True, text=True, timeout=deadline)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=deadline)
     except subprocess.TimeoutExpired:
-        raise BenchError(f"{case.label}: no result after {deadline:.0f} s") from None
+        raise BenchError(f"{label}: no result after {deadline:.0f} s") from None
     if done.returncode != 0 or not result.exists():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise BenchError(f"{case.label} failed (exit code {done.returncode}):\n{tail}")
-    out = json.loads(result.read_text())
+        raise BenchError(f"{label} failed (exit code {done.returncode}):\n{tail}")
+    return json.loads(result.read_text())
+
+
+def run_ddp(case: Case, cfg: BenchConfig, repeat: int, workdir: Path) -> Measurement:
+    result = workdir / f"{case.key}-{repeat}.json"
+    out = run_reference(case.label, ddp_command(case, cfg, result), result, cfg)
     return Measurement(case.key, repeat, out["examples_per_sec"], out["window_s"], out["final_loss"])

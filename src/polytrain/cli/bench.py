@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from polytrain.errors import ConfigError
 
@@ -198,11 +198,7 @@ def _run_throughput(cfg, args: argparse.Namespace) -> dict | None:
     if cfg.workers > available_cores():
         print(f"polytrain: warning: {cfg.workers} workers on {available_cores()} cores: the workers share cores, "
               "so weak scaling cannot be reached", file=sys.stderr)
-    doc = run_bench(cfg, progress=_progress)
-    print("\n" + format_text(doc))
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc))
-    return doc
+    return _report(run_bench(cfg, progress=_progress), args, format_text, format_markdown)
 
 
 def _run_pipeline(cfg, args: argparse.Namespace) -> dict | None:
@@ -222,10 +218,7 @@ def _run_pipeline(cfg, args: argparse.Namespace) -> dict | None:
             print("polytrain: warning: --plot needs matplotlib (pip install 'polytrain[plot]'); "
                   "no plot will be drawn", file=sys.stderr)
             args.plot = None
-    doc = run_suite(cfg, progress=_progress)
-    print("\n" + format_text(doc))
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc))
+    doc = _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
     if args.plot:
         try:
             plot(doc, args.plot)
@@ -235,19 +228,22 @@ def _run_pipeline(cfg, args: argparse.Namespace) -> dict | None:
     return doc
 
 
+def _report(doc: dict, args: argparse.Namespace, format_text: Callable[[dict], str],
+            format_markdown: Callable[[dict], str]) -> dict:
+    """A suite's results printed, and written as Markdown with --markdown."""
+    print("\n" + format_text(doc))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc))
+    return doc
+
+
 def _run_soak(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench.pipeline_soak import format_markdown, format_text, run_soak, soak_cases
 
     chosen, skipped = soak_cases(cfg)
     print(f"{len(chosen)} configurations, {cfg.steps} steps each, at most {cfg.timeout:g} s each:", flush=True)
     print("\n".join(f"  {c.label}" for c in chosen) + "".join(f"\n  not run: {s}" for s in skipped), flush=True)
-    if args.plan:
-        return None
-    doc = run_soak(cfg, progress=_progress)
-    print("\n" + format_text(doc))
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc))
-    return doc
+    return None if args.plan else _report(run_soak(cfg, progress=_progress), args, format_text, format_markdown)
 
 
 def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
@@ -256,23 +252,11 @@ def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
     print(f"{cfg.model} on {cfg.data}, batch {cfg.batch_size}, single with 1 thread, {cfg.warmup} warm-up + "
           f"{cfg.steps} timed steps, {cfg.repeats} interleaved repeat(s):", flush=True)
     print("\n".join(f"  {case.label}" for case in CASES), flush=True)
-    if args.plan:
-        return None
-    doc = run_suite(cfg, progress=_progress)
-    print("\n" + format_text(doc))
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc))
-    return doc
+    return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
 
 
 def _run_fsdp(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench.fsdp import describe, format_markdown, format_text, run_suite
 
     print(describe(cfg), flush=True)
-    if args.plan:
-        return None
-    doc = run_suite(cfg, progress=_progress)
-    print("\n" + format_text(doc))
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc))
-    return doc
+    return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
