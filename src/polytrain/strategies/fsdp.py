@@ -197,11 +197,12 @@ class _Shards:
                 "optimizer": optimizer_part(s.optimizer.state_dict()["state"], rank, main)}
 
     def skeleton(self) -> dict[str, Any]:
+        from polytrain.train.integrity import signature
+
         s = self.strategy
         assert s.model is not None and s.optimizer is not None
-        model = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
-                 for name, t in s.model.state_dict().items() if torch.is_tensor(t)]
-        return {"model": model, "param_groups": s.optimizer.state_dict()["param_groups"]}
+        # a DTensor's shape is the whole tensor's: the signature single's checkpoint would have
+        return {"model": signature(s.model.state_dict()), "param_groups": s.optimizer.state_dict()["param_groups"]}
 
 
 @contextlib.contextmanager
