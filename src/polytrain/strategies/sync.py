@@ -37,6 +37,7 @@ from polytrain.options import option, register_section
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
+from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -58,6 +59,11 @@ class SyncConfig:
                                  "slow worker gets fewer examples and the others do not wait (the same update, "
                                  "but runs are no longer bitwise repeatable): off (equal slices), on, or auto "
                                  "(on for CPU workers, unless --deterministic)", choices=BALANCE_CHOICES)
+    compress: str = option("off", "sync: compress gradients before the all-reduce (DDP communication hooks): "
+                                  "fp16 or bf16 (half the bytes), powersgd:rank=R[:start=S] (rank-R PowerSGD "
+                                  "with error feedback, whole gradients for the first S steps, default 2), or "
+                                  "off; goes through the process group's all-reduce (--comm backend)",
+                           metavar=COMPRESS_CHOICES.replace(", ", "|"), check=check_compress)
 
 
 @register_strategy
@@ -74,6 +80,8 @@ class SyncDataParallel(Strategy):
         self._comm_plan: ShmPlan | None = None
         self._balancer: Balancer | None = None
         self._balance_note = ""
+        self._compress_note = ""
+        self.compression_state: Any = None  # --compress: the hook's state (PowerSGD's error feedback, statistics)
         self._step_started: float | None = None
         self._compute_end: float | None = None
         self._slice = 0  # examples this rank took in the current step
@@ -84,6 +92,15 @@ class SyncDataParallel(Strategy):
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
         return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS)
+
+    @classmethod
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        super().check(layout, config, model)
+        opts = config.sync
+        if opts.compress != "off" and opts.comm == "shm":  # --compress: shm is a memory copy, nothing to save
+            raise ConfigError(f"--compress {opts.compress} compresses what the process group's all-reduce sends, "
+                              "and --comm shm averages through shared memory instead; pass --comm backend or "
+                              "auto, or drop --compress")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         opts = self.options
@@ -104,7 +121,13 @@ class SyncDataParallel(Strategy):
             **buckets,
         )
         self._exchange = self._open_exchange(model)
-        ddp.register_comm_hook(self, _shm_allreduce if self._exchange else _timed_allreduce)
+        compression = parse_compress(opts.compress)
+        if compression.kind != "off":  # --compress: the hook compresses, all-reduces and counts the bytes
+            self.compression_state, hook = make_hook(compression, self)
+            ddp.register_comm_hook(self.compression_state, hook)
+            self._compress_note = compression.describe()
+        else:
+            ddp.register_comm_hook(self, _shm_allreduce if self._exchange else _timed_allreduce)
         if getattr(ddp, "broadcast_buffers", True):  # BatchNorm statistics: rank 0's overwrite the others'
             self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return ddp
@@ -113,6 +136,9 @@ class SyncDataParallel(Strategy):
         """Shared memory for the gradients where the user allows it and it applies; a collective."""
         if self.options.comm == "backend":
             self._comm_plan = ShmPlan(False, "--comm backend")
+            return None
+        if self.options.compress != "off":
+            self._comm_plan = ShmPlan(False, f"--compress {self.options.compress}")
             return None
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._comm_plan = gather_plan(self.topology, grad_bytes)  # no bucket is larger than all gradients
@@ -127,6 +153,8 @@ class SyncDataParallel(Strategy):
         text = super().describe()
         if self._comm_plan is not None:
             text += f", gradients averaged through {self._comm_plan.describe()}"
+        if self._compress_note:
+            text += f", {self._compress_note}"
         if self._balance_note:
             text += f", {self._balance_note}"
         return text
