@@ -37,6 +37,22 @@ run() {
   run --device cuda --place classifier=cpu --log-placement --steps 3 --strategy single
 } | tee "$OUT/cli.txt"
 
+echo "== precision, memory, activation checkpointing and compile on the GPU"
+LM=(--device cuda --strategy single --model transformer_lm:layers=4,dim=256,heads=4 --data text:seq_len=128
+    --batch-size 32 --optimizer adam --eval-every 0 --progress lines)
+{
+  for p in 32-true bf16-mixed bf16-true 16-mixed; do
+    run "${LM[@]}" --steps 200 --precision "$p" --metrics-file "$OUT/lm_$p.jsonl"
+  done
+  run "${LM[@]}" --steps 200 --activation-checkpointing full
+  run "${LM[@]}" --steps 200 --compile
+  run "${LM[@]}" --steps 20 --memory-limit 20MiB      # refused: the model's state alone is larger
+  run "${LM[@]}" --steps 20 --memory-limit 2GiB
+  run "${LM[@]}" --steps 20 --device cuda:0 --strategy fsdp --workers 2 --backend gloo
+  run "${LM[@]}" --steps 20 --device cuda:0 --strategy sync --workers 2 --backend gloo
+  run "${LM[@]}" --steps 20 --device cuda:0 --strategy pipeline --workers 2 --backend gloo
+} | tee "$OUT/features.txt"
+
 if [ "${1:-}" = "--suite" ]; then
   echo "== the whole suite, with CUDA visible"
   timeout 420 $PY -m pytest -q -p no:cacheprovider -n 8 -ra tests > "$OUT/suite.txt" 2>&1

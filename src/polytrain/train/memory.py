@@ -177,7 +177,8 @@ def reset_peak(device: torch.device) -> None:
     """Start the peak over from now (Linux: the resident high-water mark of this process; a GPU: the
     allocator's peak statistics of ``device``)."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        if torch.cuda.is_initialized():  # before CUDA starts there is no peak, and torch refuses to reset one
+            torch.cuda.reset_peak_memory_stats(device)
         return
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak RSS to the current RSS
