@@ -1,210 +1,288 @@
-"""Goodput under failures: ``python -m polytrain.bench.goodput``.
+"""``polytrain bench --suite goodput``: useful steps per second of a real job that loses a worker on a schedule,
+against the same job undisturbed, each run for the same wall time.
 
-One job (``--workers 4`` CPU processes, ``sync``, ``digits_cnn``), in one invocation:
+Up to three jobs, one after the other, each ``polytrain train`` run as a user runs it (``--workers N`` CPU
+processes, ``--strategy sync``, an unbounded ``--steps``, ``--log-every 1``) for ``--duration`` seconds of wall
+time from its start, then stopped by SIGTERM (an orderly stop):
 
-* **clean**: no checkpoint, no failure, run before and after the others (the machine's load drifts; the
-  clean time is their mean);
-* **failing**: the same steps with ``--checkpoint-every C``, ``--max-restarts`` and a worker SIGKILLed every
-  ``--fail-every N`` steps of progress (``POLYTRAIN_INJECT_KILL``): each failure stops all workers, restarts
-  them and resumes from the latest checkpoint, redoing the steps since. goodput = useful steps / wall time
-  relative to the clean run = ``clean_s / failing_s``.
+* **undisturbed**: no checkpoint, no failure;
+* **max-restarts**: ``--max-restarts`` with ``--checkpoint-dir`` and ``--checkpoint-every-seconds C``; every
+  ``--failure-every`` seconds a random worker process is SIGKILLed; the launcher stops the others and starts
+  the job again from the latest checkpoint, redoing the steps since;
+* **continue**: ``--on-failure continue`` (when the installed polytrain has it): the survivors go on without
+  the killed worker; no checkpoint.
 
-A failure every N steps of a short run is far more often than one per 5 minutes, and on a shared
-machine the wall times of two long runs differ by more than a restart costs, so the cost of one failure is
-also measured directly, in parts:
+A job's *useful steps* are its progress when the duration is up: the step of the last step record in its metrics
+file at that moment (a restarted job's steps redone after a restart count once: the record is the step the
+model has reached). Goodput = useful steps / the undisturbed job's useful steps. Every job pays its start-up
+(processes, data, model) inside the duration, the undisturbed one too.
 
-* **detect and stop**: from the moment the killed rank dies (it writes the time first,
-  ``POLYTRAIN_INJECT_KILL_LOG``) to the moment every worker is stopped and the restart begins (the restart
-  record's time);
-* **start and resume**: the wall time of a run that resumes the failing run's last checkpoint and trains one
-  step (workers started, data and model built, checkpoint loaded and verified, one step, the end's
-  checkpoint), less one step: a bound from above;
-* **checkpoint**: one checkpoint's cost, from a run logging every step (the interval holding a checkpoint,
-  less the median interval);
-* **redone work**: on average half a checkpoint interval.
-
-From these, the goodput at one failure every ``--interval`` seconds (default 300) with a checkpoint every
-T seconds::
-
-    implied = (1 - checkpoint_s / T) * (1 - (detect_stop_s + start_resume_s + T / 2) / interval)
+A kill is due every ``--failure-every`` seconds from the job's start; it falls on a worker process chosen at
+random (``--seed``) among those running then; while none runs (a restart starting them), it waits for one.
 """
 
 from __future__ import annotations
 
-import argparse
+import datetime
 import json
 import os
 import platform
-import shutil
-import statistics
+import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from polytrain.train.faults import KILL_ENV, KILL_LOG_ENV
+from polytrain.errors import ConfigError
 
-DEFAULTS = dict(model="digits_cnn", data="digits", batch_size=128, progress="off", eval_every=0, log_every=10,
-                strategy="sync", workers=4, lr=0.05)
-
-
-def kill_steps(steps: int, fail_every: int) -> list[int]:
-    """The step after which each attempt's victim dies: every ``fail_every`` steps of progress."""
-    return list(range(fail_every, steps, fail_every))
+SIDES = ("undisturbed", "max-restarts", "continue")
+#: what the suite prints beside the measured goodput
+TARGETS = {"max-restarts": 0.85, "continue": 0.95}
 
 
-def _timed_fit(settings: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    import polytrain
-
-    started = time.perf_counter()
-    summary = polytrain.fit(**settings)
-    return time.perf_counter() - started, summary
-
-
-def _records(path: Path, event: str) -> list[dict[str, Any]]:
-    with open(path) as fh:
-        return [r for r in map(json.loads, fh) if r.get("event") == event]
-
-
-def checkpoint_cost(base: dict[str, Any], steps: int, every: int, workdir: Path) -> float:
-    """One checkpoint's seconds: the step interval that holds one, less the median step interval."""
-    metrics = workdir / "checkpointed.jsonl"
-    _timed_fit({**base, "steps": steps, "log_every": 1, "checkpoint_dir": str(workdir / "checkpointed"),
-                "checkpoint_every": every, "metrics_file": str(metrics)})
-    times = {r["step"]: r["time_s"] for r in _records(metrics, "step")}
-    intervals = {s: times[s] - times[s - 1] for s in times if s - 1 in times}
-    typical = statistics.median(intervals.values())
-    with_checkpoint = [intervals[s + 1] for s in range(every, steps, every) if s + 1 in intervals]
-    return max(0.0, statistics.median(with_checkpoint) - typical)
-
-
-def failing_run(base: dict[str, Any], steps: int, fail_every: int, every: int,
-                workdir: Path) -> tuple[float, dict[str, Any], list[float]]:
-    """The run with failures: its wall time, summary, and each failure's seconds from death to restart."""
-    kills = kill_steps(steps, fail_every)
-    log = workdir / "kills.txt"
-    os.environ[KILL_ENV] = f"rank=1,steps={'+'.join(map(str, kills))}"
-    os.environ[KILL_LOG_ENV] = str(log)
+def parse_seconds(text: str | float) -> float:
+    """``60``, ``60s``, ``2m`` -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    value = text.strip().lower()
+    scale = 1.0
+    if value.endswith("m"):
+        value, scale = value[:-1], 60.0
+    elif value.endswith("s"):
+        value = value[:-1]
     try:
-        wall, summary = _timed_fit({**base, "steps": steps, "checkpoint_dir": str(workdir / "failing"),
-                                    "checkpoint_every": every, "max_restarts": len(kills)})
-    finally:
-        os.environ.pop(KILL_ENV, None)
-        os.environ.pop(KILL_LOG_ENV, None)
-    assert summary["restarts"] == len(kills), summary.get("restart_causes")
-    died = [float(line.split()[2]) for line in log.read_text().splitlines()]
-    stopped = [c["unix_time"] for c in summary["restart_causes"]]
-    return wall, summary, [s - d for d, s in zip(died, stopped)]
+        return float(value) * scale
+    except ValueError:
+        raise ConfigError(f"expected seconds such as 60, 60s or 2m, got '{text}'") from None
 
 
-def start_and_resume(base: dict[str, Any], checkpoints: Path, workdir: Path, step_s: float,
-                     repeats: int = 3) -> float:
-    """Seconds from nothing running to training again: resume the last checkpoint and train one step."""
-    from polytrain.train.checkpoint import Checkpointer
+@dataclass(frozen=True)
+class GoodputBenchConfig:
+    model: str = "digits_cnn"
+    data: str = "digits"
+    batch_size: int = 128
+    workers: int = 4
+    lr: float = 0.05
+    seed: int = 0
+    duration: float = 600.0  # seconds of wall time per job
+    failure_every: float = 60.0  # seconds between kills
+    checkpoint_every_seconds: float = 30.0  # the max-restarts job's checkpoints
+    heartbeat_timeout: float = 8.0
+    timeout: float = 300.0
+    sides: tuple[str, ...] = SIDES
 
-    last = max(Checkpointer(checkpoints).steps())
-    walls = []
-    for repeat in range(repeats):
-        copy = workdir / f"resume-{repeat}"
-        shutil.copytree(checkpoints, copy)
-        wall, _ = _timed_fit({**base, "steps": last + 1, "checkpoint_dir": str(copy), "resume": True})
-        walls.append(wall - step_s)
-    return statistics.median(walls)
+    def check(self) -> None:
+        from polytrain.data.registry import check_data
+        from polytrain.models.registry import resolve_model_factory
 
+        if self.workers < 2:
+            raise ConfigError(f"--workers must be >= 2 for --suite goodput (a job that loses its only worker has "
+                              f"nothing to go on with), got {self.workers}")
+        if self.duration <= 0 or self.failure_every <= 0 or self.checkpoint_every_seconds <= 0:
+            raise ConfigError("--duration, --failure-every and --checkpoint-every-seconds must be > 0 seconds")
+        if self.failure_every >= self.duration:
+            raise ConfigError(f"--failure-every {self.failure_every:g}s: no failure would fall within --duration "
+                              f"{self.duration:g}s; give a shorter interval or a longer duration")
+        unknown = [s for s in self.sides if s not in SIDES]
+        if unknown:
+            raise ConfigError(f"unknown side(s) {', '.join(unknown)}; known: {', '.join(SIDES)}")
+        resolve_model_factory(self.model)
+        check_data(self.data)
 
-def measure(steps: int, fail_every: int, every: int, workdir: Path,
-            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    base = {**DEFAULTS, **(overrides or {})}
-    _timed_fit({**base, "steps": 5})  # warm-up: the launcher's forkserver starts once, on the first launch
-    clean_before, _ = _timed_fit({**base, "steps": steps})
-    fail_s, summary, detect_stop = failing_run(base, steps, fail_every, every, workdir)
-    clean_after, _ = _timed_fit({**base, "steps": steps})
-    clean_s = (clean_before + clean_after) / 2
-    step_s = clean_s / steps
-    resume_s = start_and_resume(base, workdir / "failing", workdir, step_s)
-    ckpt_s = checkpoint_cost(base, min(steps, 10 * every), every, workdir)
-    return {
-        "steps": steps, "fail_every": fail_every, "checkpoint_every": every, "failures": summary["restarts"],
-        "clean_runs_s": [round(clean_before, 3), round(clean_after, 3)], "clean_s": round(clean_s, 3),
-        "failing_s": round(fail_s, 3), "goodput_measured": round(clean_s / fail_s, 4),
-        "step_s": round(step_s, 5),
-        "detect_stop_s": [round(t, 3) for t in detect_stop],
-        "start_resume_s": round(resume_s, 3),
-        "restart_fixed_s": round(statistics.mean(detect_stop) + resume_s, 3),
-        "checkpoint_s": round(ckpt_s, 4),
-        "restart_causes": [c["cause"] for c in summary["restart_causes"]],
-    }
-
-
-def implied_goodput(result: dict[str, Any], interval_s: float, checkpoint_seconds: float) -> float:
-    """The share of wall time left for useful steps with a checkpoint every ``checkpoint_seconds`` (each
-    costing the measured time) and a failure every ``interval_s`` (each costing the measured fixed restart
-    time and, on average, half a checkpoint interval of redone steps)."""
-    saving = result["checkpoint_s"] / checkpoint_seconds
-    lost = result["restart_fixed_s"] + checkpoint_seconds / 2
-    return round((1 - saving) * (1 - lost / interval_s), 4)
+    @property
+    def kills(self) -> int:
+        """Kills due within the duration (none exactly at its end)."""
+        count = int(self.duration // self.failure_every)
+        return count - 1 if count * self.failure_every >= self.duration else count
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m polytrain.bench.goodput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--fail-every", type=int, default=150, help="steps of progress between failures")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    parser.add_argument("--interval", type=float, default=300.0, help="seconds between failures to extrapolate to")
-    parser.add_argument("--checkpoint-seconds", type=float, nargs="+", default=[10.0, 30.0, 60.0],
-                        help="checkpoint intervals (seconds) to extrapolate for")
-    parser.add_argument("--out", help="write the result as JSON here (and a .md next to it)")
-    args = parser.parse_args(argv)
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="polytrain-goodput-") as tmp:
-        result = measure(args.steps, args.fail_every, args.checkpoint_every, Path(tmp))
-    result["implied"] = {f"{s:g}": implied_goodput(result, args.interval, s) for s in args.checkpoint_seconds}
-    result["interval_s"] = args.interval
-    result["machine"] = {"cpus": os.cpu_count(), "load_1min_before": round(load, 2),
-                         "load_1min_after": round(os.getloadavg()[0], 2), "python": platform.python_version()}
-    text = report(result)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        Path(args.out).with_suffix(".md").write_text(text + "\n")
+def continue_available() -> bool:
+    """Whether the installed polytrain has ``--on-failure continue``."""
+    help_text = subprocess.run([sys.executable, "-m", "polytrain", "train", "--help"], capture_output=True,
+                               text=True, timeout=120).stdout
+    return "--on-failure" in help_text and "continue" in help_text.split("--on-failure", 1)[1][:400]
+
+
+def command(cfg: GoodputBenchConfig, side: str, workdir: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "polytrain", "train", "--strategy", "sync", "--workers", str(cfg.workers),
+           "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
+           "--seed", str(cfg.seed), "--steps", "1000000000", "--progress", "off", "--eval-every", "0",
+           "--log-every", "1", "--histogram-every", "0", "--heartbeat-timeout", f"{cfg.heartbeat_timeout:g}",
+           "--timeout", f"{cfg.timeout:g}", "--metrics-file", str(workdir / f"{side}.jsonl")]
+    if side == "max-restarts":
+        cmd += ["--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every-seconds",
+                f"{cfg.checkpoint_every_seconds:g}", "--max-restarts", str(cfg.kills + 10)]
+    elif side == "continue":
+        cmd += ["--on-failure", "continue"]
+    return cmd
+
+
+# -- the job's processes -------------------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                out.setdefault(int(fields[1]), []).append(int(entry))
+    return out
+
+
+def workers_of(pid: int) -> dict[int, int]:
+    """rank -> pid of the live polytrain workers below ``pid`` (their process name is ``polytrain-rN``)."""
+    children, todo, found = _children(), [pid], {}
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            with open(f"/proc/{current}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:
+            continue
+        if name.startswith("polytrain-r") and name[len("polytrain-r"):].isdigit():
+            found[int(name[len("polytrain-r"):])] = current
+    return found
+
+
+def last_step(metrics: Path) -> int:
+    """The step of the last step record in ``metrics`` (0: none yet)."""
+    try:
+        with open(metrics, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 65536))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        if '"event": "step"' in line:
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue
     return 0
 
 
-def report(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    lines = [
-        f"goodput: {DEFAULTS['workers']} CPU workers, {DEFAULTS['strategy']}, {DEFAULTS['model']}, {r['steps']} steps, "
-        f"a worker SIGKILLed every {r['fail_every']} steps ({r['failures']} failures), checkpoint every "
-        f"{r['checkpoint_every']} steps; {m['cpus']} CPUs at load {m['load_1min_before']} -> {m['load_1min_after']}",
-        "",
-        "| run | wall s | goodput (clean s / run s) |",
-        "|---|---|---|",
-        f"| clean (mean of {' and '.join(f'{t:.2f}' for t in r['clean_runs_s'])}, before and after) | "
-        f"{r['clean_s']:.2f} | 1.0000 |",
-        f"| failing, restarted ({r['failures']} failures) | {r['failing_s']:.2f} | {r['goodput_measured']:.4f} |",
-        "",
-        "one failure, measured in parts:",
-        "",
-        "| part | seconds |",
-        "|---|---|",
-        f"| death to every worker stopped (each failure) | {', '.join(f'{t:.2f}' for t in r['detect_stop_s'])} |",
-        f"| start and resume (median of 3, upper bound) | {r['start_resume_s']:.2f} |",
-        f"| fixed cost of one restart | {r['restart_fixed_s']:.2f} |",
-        f"| one checkpoint | {r['checkpoint_s']:.3f} |",
-        f"| one step | {r['step_s']:.4f} |",
-        "",
-        f"implied goodput at one failure every {r['interval_s']:g} s: (1 - checkpoint / T) x "
-        "(1 - (restart cost + T/2 redone) / failure interval):",
-        "",
-        "| checkpoint every T (s) | implied goodput |",
-        "|---|---|",
-        *[f"| {s} | {g:.4f} |" for s, g in r["implied"].items()],
-    ]
+def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
+             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run one job for ``cfg.duration`` seconds (killing workers on the schedule unless undisturbed)."""
+    metrics = workdir / f"{side}.jsonl"
+    log = open(workdir / f"{side}.log", "w")
+    rng = random.Random(f"{cfg.seed}/{side}")
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    proc = subprocess.Popen(command(cfg, side, workdir), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    kills: list[dict[str, Any]] = []
+    due = [started + (k + 1) * cfg.failure_every for k in range(cfg.kills)] if side != "undisturbed" else []
+    end = started + cfg.duration
+    ended_early = None
+    try:
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                ended_early = proc.returncode
+                break
+            if due and time.monotonic() >= due[0]:
+                victims = workers_of(proc.pid)
+                if side == "continue":
+                    victims.pop(0, None)  # rank 0 logs and writes the metrics this suite reads
+                if victims:
+                    rank = rng.choice(sorted(victims))
+                    with _suppress():
+                        os.kill(victims[rank], signal.SIGKILL)
+                    at = time.monotonic() - started
+                    kills.append({"at_s": round(at, 2), "rank": rank, "late_s": round(at - (due[0] - started), 2),
+                                  "step": last_step(metrics)})
+                    progress(f"  {side}: killed worker rank {rank} at {at:.1f} s (step {kills[-1]['step']})")
+                    due.pop(0)
+            time.sleep(0.05)
+        useful = last_step(metrics)
+        wall = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+    if ended_early is not None:
+        tail = "\n".join((workdir / f"{side}.log").read_text().strip().splitlines()[-15:])
+        raise RuntimeError(f"the {side} job ended by itself after {wall:.0f} s (exit code {ended_early}):\n{tail}")
+    events = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "step"' not in line]
+    return {"side": side, "wall_s": round(wall, 2), "useful_steps": useful,
+            "useful_steps_per_s": round(useful / wall, 3), "kills": kills,
+            "restarts": sum(1 for e in events if e.get("event") == "restart"),
+            "exit_code": proc.returncode, "load_1min_before": round(load_before, 2),
+            "load_1min_after": round(os.getloadavg()[0], 2)}
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def run_suite(cfg: GoodputBenchConfig, progress: Callable[[str], None] = lambda _: None,
+              workdir: Path | None = None) -> dict[str, Any]:
+    sides = list(cfg.sides)
+    skipped = {}
+    if "continue" in sides and not continue_available():
+        sides.remove("continue")
+        skipped["continue"] = "this polytrain has no --on-failure continue"
+    results = []
+    with tempfile.TemporaryDirectory(prefix="polytrain-goodput-") as tmp:
+        for side in sides:
+            progress(f"{side}: {cfg.duration:g} s" + (f", a worker killed every {cfg.failure_every:g} s"
+                                                        if side != "undisturbed" else ""))
+            results.append(run_side(cfg, side, workdir or Path(tmp), progress))
+            progress(f"  {side}: {results[-1]['useful_steps']} useful steps in {results[-1]['wall_s']:.0f} s")
+    base = next((r for r in results if r["side"] == "undisturbed"), None)
+    for r in results:
+        r["goodput"] = round(r["useful_steps"] / base["useful_steps"], 4) if base and base["useful_steps"] else None
+        r["target"] = TARGETS.get(r["side"])
+    return {"suite": "goodput", "config": {**asdict(cfg), "sides": list(cfg.sides)}, "results": results,
+            "skipped": skipped, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def describe(cfg: GoodputBenchConfig) -> str:
+    return (f"goodput: polytrain train --strategy sync --workers {cfg.workers} --model {cfg.model} --data {cfg.data} "
+            f"--batch-size {cfg.batch_size}, each job {cfg.duration:g} s of wall time; a random worker SIGKILLed "
+            f"every {cfg.failure_every:g} s ({cfg.kills} kills); --max-restarts with a checkpoint every "
+            f"{cfg.checkpoint_every_seconds:g} s; jobs: {', '.join(cfg.sides)}")
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    cfg = doc["config"]
+    lines = [f"goodput over {cfg['duration']:g} s per job, a worker killed every {cfg['failure_every']:g} s, "
+             f"{cfg['workers']} workers ({doc['machine']['cpus']} CPUs), {doc['date']}", "",
+             "| job | useful steps | steps/s | goodput | kills | restarts | load before -> after |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        good = "1 (reference)" if r["side"] == "undisturbed" else (
+            f"{r['goodput']:.3f}" + (f" (target {r['target']})" if r["target"] else ""))
+        lines.append(f"| {r['side']} | {r['useful_steps']} | {r['useful_steps_per_s']:.2f} | {good} | "
+                     f"{len(r['kills'])} | {r['restarts']} | {r['load_1min_before']} -> {r['load_1min_after']} |")
+    for side, why in doc["skipped"].items():
+        lines.append(f"\nnot run: {side} ({why})")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def format_markdown(doc: dict[str, Any]) -> str:
+    kills = "\n".join(f"- {r['side']}: " + ", ".join(f"rank {k['rank']} at {k['at_s']:.0f} s (step {k['step']})"
+                                                     for k in r["kills"])
+                      for r in doc["results"] if r["kills"])
+    return f"{format_text(doc)}\n\nkills:\n\n{kills}\n"

@@ -2,7 +2,8 @@
 (``--suite throughput``, the default); a pipeline's speed-up against its theoretical one
 (``--suite pipeline``); every pipeline configuration run 200 steps under a time limit (``--suite
 pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``); fsdp against a
-plain fully_shard loop, with each rank's memory (``--suite fsdp``)."""
+plain fully_shard loop, with each rank's memory (``--suite fsdp``); useful steps per second of a job that loses a
+worker every minute, against the same job undisturbed (``--suite goodput``)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,15 @@ final loss of each, and the speed ratios compiled / eager and checkpointed / eag
 each unit and the root, Adam or SGD, cross-entropy) on the same model, initial values and batches, and
 polytrain sync for reference; examples/s after the warm-up (and by the median step), the speed ratio fsdp /
 plain (median of the per-repeat ratios, with min-max) and each rank's peak memory and parameter, gradient
-and optimizer bytes."""
+and optimizer bytes.
 
-SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp")
+--suite goodput: polytrain train (sync, --workers 4) run for --duration seconds of wall time (600) three ways:
+undisturbed; with a random worker SIGKILLed every --failure-every seconds (60) and --max-restarts, a checkpoint
+every --checkpoint-every-seconds (30); and the same failures with --on-failure continue. Useful steps (the
+step reached when the time is up) per second, and goodput = useful steps / the undisturbed job's. Three jobs:
+about 3 x --duration in all."""
+
+SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp", "goodput")
 
 #: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {
@@ -62,6 +69,7 @@ QUICK = {
                 "warmup": 1, "steps": 2, "repeats": 1},
     "fsdp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "worker_batch_size": 4,
              "warmup": 1, "steps": 2, "repeats": 1},
+    "goodput": {"duration": 20.0, "failure_every": 8.0, "checkpoint_every_seconds": 4.0, "workers": 2},
 }
 
 
@@ -74,6 +82,15 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _seconds(text: str) -> float:
+    from polytrain.bench.goodput import parse_seconds
+
+    try:
+        return parse_seconds(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(sub: Any) -> None:
@@ -110,6 +127,14 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES,
                         help="throughput and fsdp: freed tensor memory in every case, the plain scripts' too "
                              "(default: cache)")
+    parser.add_argument("--duration", type=_seconds, metavar="S",
+                        help="goodput: wall time of each job, e.g. 600 or 10m (default: 600)")
+    parser.add_argument("--failure-every", type=_seconds, metavar="S",
+                        help="goodput: seconds between killed workers, e.g. 60s (default: 60)")
+    parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
+                        help="goodput: the --max-restarts job's checkpoint interval (default: 30)")
+    parser.add_argument("--jobs", type=_names, dest="sides", metavar="J,J,..",
+                        help="goodput: which jobs (default: undisturbed,max-restarts,continue)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
     parser.add_argument("--plan", action="store_true", help="print the cases that would run and exit")
@@ -134,6 +159,9 @@ def _config_class(suite: str) -> type:
     if suite == "fsdp":
         from polytrain.bench.fsdp import FsdpBenchConfig
         return FsdpBenchConfig
+    if suite == "goodput":
+        from polytrain.bench.goodput import GoodputBenchConfig
+        return GoodputBenchConfig
     from polytrain.bench.cases import BenchConfig
     return BenchConfig
 
@@ -169,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         doc = _run_compile(cfg, args)
     elif args.suite == "fsdp":
         doc = _run_fsdp(cfg, args)
+    elif args.suite == "goodput":
+        doc = _run_goodput(cfg, args)
     else:
         doc = _run_throughput(cfg, args)
     if doc is None:
@@ -257,6 +287,13 @@ def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
 
 def _run_fsdp(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench.fsdp import describe, format_markdown, format_text, run_suite
+
+    print(describe(cfg), flush=True)
+    return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
+
+
+def _run_goodput(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.goodput import describe, format_markdown, format_text, run_suite
 
     print(describe(cfg), flush=True)
     return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)

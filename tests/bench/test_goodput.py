@@ -1,0 +1,69 @@
+"""The goodput suite's pieces that need no long job: its settings, the kill schedule, reading progress from a
+metrics file and finding a job's workers. The suite itself runs jobs for minutes: benchmarks/results holds its
+measurements (docs/fault-tolerance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from polytrain.bench.goodput import GoodputBenchConfig, command, last_step, parse_seconds, workers_of
+from polytrain.errors import ConfigError
+
+
+def test_seconds_are_read_with_or_without_a_unit():
+    assert parse_seconds("60s") == parse_seconds("60") == parse_seconds("1m") == 60.0
+    with pytest.raises(ConfigError, match="expected seconds such as 60, 60s or 2m, got 'soon'"):
+        parse_seconds("soon")
+
+
+def test_kills_fall_strictly_inside_the_duration():
+    assert GoodputBenchConfig(duration=600, failure_every=60).kills == 9
+    assert GoodputBenchConfig(duration=610, failure_every=60).kills == 10
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"workers": 1}, "--workers must be >= 2"),
+    ({"failure_every": 700}, "no failure would fall within --duration 600s"),
+    ({"sides": ("undisturbed", "sometimes")}, "unknown side"),
+])
+def test_settings_that_cannot_measure_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        GoodputBenchConfig(**settings).check()
+
+
+def test_only_the_failing_jobs_checkpoint_or_continue(tmp_path):
+    cfg = GoodputBenchConfig()
+    assert "--checkpoint-dir" not in command(cfg, "undisturbed", tmp_path)
+    restart = command(cfg, "max-restarts", tmp_path)
+    assert restart[restart.index("--checkpoint-every-seconds") + 1] == "30"
+    assert int(restart[restart.index("--max-restarts") + 1]) >= cfg.kills
+    assert command(cfg, "continue", tmp_path)[-2:] == ["--on-failure", "continue"]
+
+
+def test_progress_is_the_last_step_record_even_after_a_restart_went_back(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    assert last_step(metrics) == 0
+    records = [{"event": "start", "step": 0}] + [{"event": "step", "step": s} for s in (1, 2, 3, 4)]
+    records += [{"event": "restart", "restart": 1}, {"event": "step", "step": 3}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert last_step(metrics) == 3
+
+
+def test_workers_are_found_by_their_process_name():
+    code = ("import ctypes, time; ctypes.CDLL('libc.so.6').prctl(15, b'polytrain-r3'); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while workers_of(os.getpid()) != {3: child.pid}:
+            assert time.monotonic() < deadline, workers_of(os.getpid())
+            time.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait()
+    assert workers_of(os.getpid()) == {}
