@@ -13,8 +13,10 @@ def test_a_single_process_is_one_replica_on_every_axis():
     assert topo.arranged(dp=1, pp=1).axes == (("dp", 1), ("pp", 1))
     with pytest.raises(ValueError, match="hold 4 processes, but the world has 1"):
         topo.arranged(dp=2, pp=2)
-    with pytest.raises(ValueError, match="unknown axes \\['tp'\\]"):
-        topo.arranged(tp=1)
+    assert topo.arranged(tp=1).axes == (("dp", 1), ("pp", 1), ("tp", 1))  # tp only where named
+    assert (topo.axis_size("tp"), topo.axis_rank("tp"), topo.axis_group("tp")) == (1, 0, None)
+    with pytest.raises(ValueError, match="unknown axes \\['shard'\\]"):
+        topo.arranged(shard=1)
 
 
 def _axes(ctx):

@@ -12,8 +12,9 @@ rank (a parameter server) and a ``helper`` rank (work handed out of step order) 
 which the strategy provides (:attr:`Strategy.own_loop <polytrain.strategies.base.Strategy.own_loop>`).
 
 Axes, in mesh order over the trainer ranks: ``dp`` (data-parallel replicas: each takes its slice of the
-global batch), ``pp`` (pipeline stages). ``shard`` (sharded data parallel) and ``tp`` (tensor parallel) are
-reserved names, of size 1 so far.
+global batch), ``pp`` (pipeline stages), ``tp`` (tensor-parallel ranks: each holds its part of the layers a
+plan splits; innermost, so a replica's tp ranks are neighbours). ``shard`` (sharded data parallel) is a
+reserved name, of size 1 so far.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 
 
 ROLES = ("trainer", "server", "helper")
-AXES = ("dp", "pp")
-RESERVED_AXES = ("shard", "tp")  # named now, so that a layout's printout has one vocabulary; size 1 today
+AXES = ("dp", "pp", "tp")
+RESERVED_AXES = ("shard",)  # named now, so that a layout's printout has one vocabulary; size 1 today
 
 
 @dataclass(frozen=True)

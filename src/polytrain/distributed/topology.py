@@ -5,7 +5,8 @@ polytrain keeps no module-level process-group state. Collectives on it time out 
 and are no-ops in a single process, so the same training code runs with and without a group.
 
 A strategy arranges the world into named axes (:meth:`Topology.arranged`): ``dp`` (data-parallel replicas,
-each taking a slice of the global batch) and ``pp`` (pipeline stages), on a ``DeviceMesh``. Data slices and
+each taking a slice of the global batch), ``pp`` (pipeline stages) and ``tp`` (tensor-parallel ranks, in the
+mesh only where a layout names it), on a ``DeviceMesh``. Data slices and
 the groups that metrics are reduced over come from the ``dp`` axis; nothing counts processes for that.
 Without an arrangement every process is its own data-parallel replica (``dp`` = world size, ``pp`` = 1).
 """
@@ -21,7 +22,9 @@ import torch.distributed as dist
 
 from polytrain.distributed.lost import LostRanks
 
-AXES = ("dp", "pp")
+AXES = ("dp", "pp", "tp")
+#: axes in the mesh only where named (the meshes of layouts without them keep their shape)
+_OPTIONAL_AXES = ("tp",)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class Topology:
         unknown = set(sizes) - set(AXES)
         if unknown:
             raise ValueError(f"unknown axes {sorted(unknown)}; known: {', '.join(AXES)}")
-        shape = tuple((name, int(sizes.get(name, 1))) for name in AXES)
+        shape = tuple((name, int(sizes.get(name, 1))) for name in AXES
+                      if name not in _OPTIONAL_AXES or name in sizes)
         product = 1
         for _, size in shape:
             product *= size
@@ -83,19 +87,19 @@ class Topology:
         self._known(axis)
         if not self.axes:
             return self.world_size if axis == "dp" else 1
-        return dict(self.axes)[axis]
+        return dict(self.axes).get(axis, 1)
 
     def axis_rank(self, axis: str) -> int:
         """This process's coordinate along ``axis``."""
         self._known(axis)
-        if self.mesh is None:
+        if self.mesh is None or axis not in self.mesh.mesh_dim_names:
             return self.rank if axis == "dp" and not self.axes else 0
         return self.mesh.get_local_rank(axis)
 
     def axis_group(self, axis: str) -> Any:
         """The process group of the ranks that differ from this one only along ``axis`` (None: alone)."""
         self._known(axis)
-        if self.mesh is None:
+        if self.mesh is None or axis not in self.mesh.mesh_dim_names:
             return self.group if axis == "dp" and not self.axes else None
         return self.mesh.get_group(axis)
 

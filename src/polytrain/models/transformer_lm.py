@@ -3,7 +3,8 @@
 ``embed`` (token + learned position embeddings) → ``blocks.0 … blocks.N-1`` (pre-norm: x + attn(ln(x)),
 x + mlp(ln(x))) → ``head`` (final norm, linear to the vocabulary). The repeated blocks sit in an
 ``nn.ModuleList`` named ``blocks`` so placement and pipeline splits can name them (``--place
-blocks.0=cuda:0,blocks.2=cuda:1``); ``forward`` is just embed → each block → head.
+blocks.0=cuda:0,blocks.2=cuda:1``); ``forward`` is just embed → each block → head. ``tp_plan`` says how
+``--tp`` splits the blocks' heads and MLPs over tensor-parallel ranks.
 
 The default (4 layers, width 128, 4 heads, 128 positions, ~0.9 M parameters) trains on two CPU cores.
 ``seq_len`` (the positions) defaults to the data's sequence length. Attention is causal
@@ -41,17 +42,18 @@ class Embed(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.head_dim, self.dropout = heads, dim // heads, dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, dim = x.shape
-        q, k, v = (t.view(batch, time, self.heads, dim // self.heads).transpose(1, 2)
-                   for t in self.qkv(x).split(dim, dim=2))
+        batch, time, _ = x.shape
+        qkv = self.qkv(x)
+        width = qkv.shape[-1] // 3  # q, k, v of this rank's heads (all of them, unless split by --tp)
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in qkv.split(width, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
 
 
 class Block(nn.Module):
@@ -79,6 +81,15 @@ class Head(nn.Module):
 
 class TransformerLM(nn.Module):
     """tokens (batch, time <= seq_len) -> logits (batch, time, vocab)."""
+
+    #: how ``--tp`` splits it (:mod:`polytrain.strategies.tensor.plan`): each block's heads (q, k and v of a
+    #: rank's heads: the fused projection's 3 parts split alike) and its MLP's hidden features
+    tp_plan = {
+        "blocks.*.attn.qkv": {"style": "colwise", "parts": 3, "heads": "heads"},
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(self, vocab: int, layers: int, dim: int, heads: int, seq_len: int, dropout: float):
         super().__init__()

@@ -1,10 +1,11 @@
-"""Parallel strategies, chosen by name: ``single``, ``sync``, ``local-sgd``, ``diloco``, ``async``, ``pipeline``
-and ``hybrid`` (importing this package registers them); the protocol is :mod:`polytrain.strategies.base`."""
+"""Parallel strategies, chosen by name: ``single``, ``sync``, ``local-sgd``, ``diloco``, ``async``, ``pipeline``,
+``hybrid`` and ``tp`` (importing this package registers them); the protocol is :mod:`polytrain.strategies.base`."""
 
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
 from polytrain.strategies import periodic  # noqa: F401  (local-sgd, diloco)
 from polytrain.strategies import pipeline  # noqa: F401  (pipeline, hybrid)
 from polytrain.strategies import fsdp  # noqa: F401  (fsdp)
+from polytrain.strategies import tensor  # noqa: F401  (tp)
 from polytrain.strategies.ps import strategy as _ps  # noqa: F401  (async)
 from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
 
