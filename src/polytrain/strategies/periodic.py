@@ -37,9 +37,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
+from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, register_strategy
 from polytrain.strategies.step import StepResult
+from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
 
 #: DiLoCo's outer settings (Douillard et al. 2023, section 3): Nesterov momentum 0.9, outer learning rate 0.7
 DEFAULT_OUTER_LR = 0.7
@@ -49,6 +51,11 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 def _below_one(value: float) -> None:
     if value >= 1:
         raise ValueError(f"must be below 1 (a momentum of 1 never forgets a step), got {value:g}")
+
+
+def _fraction(value: float) -> None:
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {value:g}")
 
 
 def _positive(value: float) -> None:
@@ -74,6 +81,22 @@ class PeriodicConfig:
                                                 f"{DEFAULT_OUTER_MOMENTUM:g}; 0: plain outer SGD)",
                                           minimum=0, check=_below_one, metavar="M", strategies=("diloco",),
                                           elsewhere=_OUTER)
+    fragments: int = option(1, "diloco: streaming DiLoCo: the parameters cut into F fragments of about equal size, "
+                               "each meeting every H steps, fragment p at steps p*H/F + kH (1: all at once)",
+                            minimum=1, metavar="F", strategies=("diloco",), elsewhere=_OUTER)
+    overlap_steps: int = option(0, "diloco: a meeting's exchange runs during the next T inner steps and is "
+                                   "applied after them (streaming DiLoCo's overlap; 0: wait for it)",
+                                minimum=0, metavar="T", strategies=("diloco",), elsewhere=_OUTER)
+    overlap_mix: float = option(0.5, "diloco: with --overlap-steps, a fragment becomes MIX x its local "
+                                     "parameters + (1 - MIX) x the outer step's (streaming DiLoCo's alpha)",
+                                check=_fraction, metavar="MIX", strategies=("diloco",), elsewhere=_OUTER)
+    outer_quantize: str = option("off", "diloco: send each worker's outer gradient as int8 or int4 (a float32 "
+                                        "scale per 256 values, by all-gather), or off (parameters all-reduced "
+                                        "in their own dtype)", choices=QUANTIZE_CHOICES, strategies=("diloco",),
+                                 elsewhere=_OUTER)
+    outer_error_feedback: bool = option(False, "diloco: with --outer-quantize, each worker adds what rounding "
+                                               "left out of its last outer gradient to the next",
+                                        strategies=("diloco",), elsewhere=_OUTER)
 
 
 @register_strategy
@@ -171,9 +194,26 @@ class Diloco(LocalSGD):
         self.outer_momentum = DEFAULT_OUTER_MOMENTUM if opts.outer_momentum is None else opts.outer_momentum
         self._anchor: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
+        self.exchange: OuterExchange | None = None
+
+    @classmethod
+    def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
+        super().check(layout, config, model)
+        opts = config.periodic
+        if opts.fragments > opts.sync_every:
+            raise ConfigError(f"--fragments {opts.fragments} is more than --sync-every {opts.sync_every}: fragments "
+                              "meet at different steps of each H-step round; give --fragments <= --sync-every")
+        if opts.overlap_steps >= opts.sync_every:
+            raise ConfigError(f"--overlap-steps {opts.overlap_steps} must be below --sync-every {opts.sync_every} (a "
+                              "fragment's exchange ends before it meets again)")
+        if opts.outer_error_feedback and opts.outer_quantize == "off":
+            raise ConfigError("--outer-error-feedback keeps what --outer-quantize rounds off, and it is off; give "
+                              "--outer-quantize int8 or int4, or drop --outer-error-feedback")
 
     def _meeting(self) -> str:
-        return f"outer SGD step (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
+        text = f"outer SGD step (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
+        streaming = self.exchange.describe() if self.exchange is not None else ""
+        return f"{text}; {streaming};" if streaming else text
 
     def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:
         prepared = super().prepare(model, make_optimizer, recipe, place)
@@ -181,7 +221,31 @@ class Diloco(LocalSGD):
         self._anchor = [p.detach().clone() for p in self.module.parameters()]
         self.outer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
+        opts = self.options
+        try:
+            self.exchange = OuterExchange(self, opts.fragments, opts.overlap_steps, opts.overlap_mix,
+                                          opts.outer_quantize, opts.outer_error_feedback)
+        except ValueError as exc:
+            raise ConfigError(f"--fragments {opts.fragments}: {exc}; give fewer fragments") from None
         return prepared
+
+    def train_step(self, batch: Batch, lr: float) -> StepResult:
+        result = Strategy.train_step(self, batch, lr)  # forward, backward and this worker's own optimizer step
+        self._dirty = True
+        exchange, done = self.exchange, batch.step + 1
+        assert exchange is not None
+        if exchange.busy_after(done):
+            with torch.no_grad(), self.phase("sync"):
+                # the meetings' exchanges, and waiting for the slowest worker (or for an overlapped exchange)
+                result.wait_s += exchange.after_step(done)
+            self._dirty = not exchange.all_met(done)
+        return result
+
+    def finish(self) -> None:
+        super().finish()
+        if self.exchange is not None:
+            with torch.no_grad():
+                self.exchange.settle()
 
     def _meet(self) -> None:
         params = list(self.module.parameters())
@@ -195,11 +259,16 @@ class Diloco(LocalSGD):
             anchor.grad = None
 
     def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
+        if self.exchange is not None and self.exchange.pending:  # an overlapped exchange: applied now
+            with torch.no_grad():
+                self.exchange.settle()
         state = super().state_dict(optimizer)
         if state is not None and optimizer:
             assert self.outer is not None
             state["outer"] = {"anchor": [a.detach().clone() for a in self._anchor],
                               "optimizer": self.outer.state_dict()}
+            if self.exchange is not None and self.exchange.errors:
+                state["outer"]["exchange"] = self.exchange.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,6 +281,8 @@ class Diloco(LocalSGD):
         if outer:
             assert self.outer is not None
             self.outer.load_state_dict(outer["optimizer"])
+            if self.exchange is not None:
+                self.exchange.load(outer.get("exchange"))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
