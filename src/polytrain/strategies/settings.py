@@ -68,3 +68,31 @@ def _flag(key: str, value: Any) -> str:
     flag = "--" + key.replace("_", "-")
     return flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
 
+
+
+class Sections:
+    """A strategy's options when it reads more than its own section: its own (``config_section``) and the
+    sections named by its class attribute ``also_reads`` (``pipeline`` and ``hybrid``: ``tp``, the settings
+    of their tp axis), read as one: an attribute is looked up in the own section first."""
+
+    def __init__(self, own: Any, *more: Any):
+        self._parts = (own, *more)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        for part in self._parts:
+            if hasattr(part, key):
+                return getattr(part, key)
+        raise AttributeError(key)
+
+    def __repr__(self) -> str:
+        return f"Sections{self._parts!r}"
+
+
+def options_of(config: Any, strategy_cls: Any) -> Any:
+    """The options a strategy of class ``strategy_cls`` reads: its own config section (None if it has none),
+    with the sections it also reads (``also_reads``)."""
+    own = getattr(config, strategy_cls.config_section, None) if strategy_cls.config_section else None
+    more = [getattr(config, name) for name in getattr(strategy_cls, "also_reads", ())]
+    return Sections(own, *more) if own is not None and more else own

@@ -226,8 +226,11 @@ def _step_slices(strategy: Strategy, mine: Slice, global_batch: int,
 
 
 def strategy_options(config: RunConfig, strategy_cls: type[Strategy]) -> Any:
-    """The config section of ``strategy_cls``'s own options (None if it has none)."""
-    return getattr(config, strategy_cls.config_section, None) if strategy_cls.config_section else None
+    """The config section of ``strategy_cls``'s own options (None if it has none), with the sections it also
+    reads (``also_reads``: pipeline's and hybrid's tp axis)."""
+    from polytrain.strategies.settings import options_of
+
+    return options_of(config, strategy_cls)
 
 
 def _device_runtime(config: RunConfig, topology: Topology) -> DeviceRuntime:

@@ -54,6 +54,7 @@ from polytrain.strategies.pipeline import plan, split
 from polytrain.strategies.pipeline.build import UnitMaker, release_unit
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
 from polytrain.strategies.step import StepResult, loss_divisor
+from polytrain.strategies.tensor import axis as tp_axis
 
 
 #: what --strategy pipeline is told of hybrid's mesh settings (strategies/settings.py)
@@ -88,6 +89,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
+    also_reads = ("tp",)  # --tp, --tp-plan: a tp axis of T ranks per stage (polytrain.strategies.tensor.axis)
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -104,7 +106,9 @@ class Pipeline(Strategy):
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
         dp, pp = cls._shape(workers, options)
-        return Layout(cls.name, ("trainer",) * (dp * pp), (("dp", dp), ("pp", pp)), dp)
+        tp = tp_axis.axis_size(options)  # innermost: a stage's tp ranks are neighbours
+        axes = (("dp", dp), ("pp", pp)) + ((("tp", tp),) if tp > 1 else ())
+        return Layout(cls.name, ("trainer",) * (dp * pp * tp), axes, dp)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -123,6 +127,7 @@ class Pipeline(Strategy):
             raise ConfigError(f"--microbatches {opts.microbatches} does not divide each pipeline's batch of "
                               f"{per} examples; pass a divisor of {per} or another --batch-size")
         plan.check_schedule(opts.schedule, pp, opts.microbatches)
+        tp_axis.check_axis(layout, config, model)
         if config.train.loss != "task":
             raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
                               "--loss model needs the whole model in one process")
@@ -153,6 +158,7 @@ class Pipeline(Strategy):
         self.ranks = self.topology.axis_size("pp")
         self.me = self.topology.axis_rank("pp")
         self.replicas = self.topology.axis_size("dp")
+        self.tp = self.topology.axis_size("tp")  # each stage's layers split over tp ranks (tensor parallel)
         self.num_stages = self.ranks * self.info.chunks
         #: --shard-dp: each stage fully_shard-ed over the dp replicas (its tensors DTensors holding 1/D)
         self.sharded = bool(getattr(opts, "shard_dp", False)) and self.replicas > 1
@@ -238,6 +244,8 @@ class Pipeline(Strategy):
         if self.split is None:
             self._cut(chosen)
         self._release_others()
+        if self.tp > 1:  # torchtitan's order: cut into stages, then each stage's layers split over tp
+            tp_axis.split_stages(self)
         if self.sharded:
             self._shard()
         group = topo.axis_group("pp")
@@ -311,7 +319,7 @@ class Pipeline(Strategy):
         return StepResult(loss, len(batch))
 
     def _average_over_replicas(self) -> None:
-        grads = [p.grad for p in self.owned if p.grad is not None]
+        grads = [_local(p.grad) for p in self.owned if p.grad is not None]  # (tp: each rank's part)
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.topology.axis_group("dp"))
         flat /= self.replicas
@@ -322,6 +330,9 @@ class Pipeline(Strategy):
     def _clip(self, max_norm: float) -> None:
         """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp (and over
         dp, sharded: each replica holds 1/D of its stages' gradients)."""
+        if self.tp > 1:  # the split layers' squared norms summed over tp, the whole ones counted once
+            more = (self.topology.axis_group("pp"),) if self.ranks > 1 else ()
+            return tp_axis.clip_grads(self.owned, max_norm, self.topology.axis_group("tp"), more)
         grads = [_local(p.grad) for p in self.owned if p.grad is not None]
         norms = [torch.linalg.vector_norm(g, 2) for g in grads]
         squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
@@ -344,7 +355,7 @@ class Pipeline(Strategy):
             if self.sharded:  # gathered for the forward: back to this rank's shards
                 for module in self.modules.values():
                     _reshard(module)
-            if out is None:
+            if out is None or self.topology.axis_rank("tp") > 0:  # (tp: counted once per stage)
                 return None
             score = self.recipe.task.score(out, targets)
         return torch.stack([v.to(self.topology.device).double() for v in score])
@@ -403,7 +414,7 @@ class Pipeline(Strategy):
         if self.split is None and self._maker is not None and self._loaded is not None:
             return self._loaded["optimizer"]
         state = self.optimizer.state_dict()
-        if not self.sharded:
+        if not self.sharded and self.tp == 1:  # (tp: each split tensor's state gathered whole)
             return state
         whole = {i: {k: _full(v).cpu() if isinstance(v, DTensor) else v for k, v in per.items()}
                  for i, per in state["state"].items()}  # gathered over dp, in the same order on every replica
@@ -469,13 +480,14 @@ class Hybrid(Pipeline):
         """``--dp`` x ``--pp``; without ``--workers``, the product of the two; a ``--workers`` that disagrees
         with them is an error."""
         opts = options if options is not None else PipelineConfig()
-        pp = _hybrid_pp(opts)
+        pp, tp = _hybrid_pp(opts), tp_axis.axis_size(opts)  # (--tp: T ranks per stage)
         if workers is None:
-            workers = (opts.dp or DEFAULT_WORKERS // pp or 1) * pp
-        dp = opts.dp if opts.dp is not None else max(1, workers // pp)
-        if dp * pp != workers:
-            raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp} = {dp * pp} processes, but --workers "
-                              f"is {workers}; pass --workers {dp * pp}")
+            workers = (opts.dp or DEFAULT_WORKERS // pp or 1) * pp * tp
+        dp = opts.dp if opts.dp is not None else max(1, workers // (pp * tp))
+        if dp * pp * tp != workers:
+            x_tp = f" x --tp {tp}" if tp > 1 else ""
+            raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp}{x_tp} = {dp * pp * tp} processes, but "
+                              f"--workers is {workers}; pass --workers {dp * pp * tp}")
         return dp, pp
 
     @classmethod
