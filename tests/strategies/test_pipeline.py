@@ -126,7 +126,7 @@ def test_checkpoints_move_between_pipeline_and_single_or_sync(tmp_path, single, 
     (dict(stages=2, split_at="blocks.7"), "--split-at blocks.7: no such unit; the model's units are embed, "),
     (dict(strategy="hybrid", workers=3, pp=2), "--dp 1 x --pp 2 = 2 processes, but --workers is 3"),
     (dict(stages=2, accumulate=2), "accumulates over its --microbatches; pass --microbatches 8"),
-    (dict(stages=2, loss="model"), "--loss model needs the whole model in one process"),
+    (dict(stages=2, loss="model"), "--loss model: the forward of --model transformer_lm:.* takes no labels="),
 ])
 def test_bad_settings_are_one_line_before_any_process(settings, message):
     run = {**RUN, "strategy": "pipeline", **settings}

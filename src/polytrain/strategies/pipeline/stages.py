@@ -28,13 +28,14 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 #: what an activation's header can say its dtype is (evaluation sends a header before each tensor)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32)
 _HEADER = 8  # ndim, up to 6 sizes, dtype code
 
 
-class TimedStage(PipelineStage):
-    """``PipelineStage`` that adds the seconds spent computing to :attr:`busy` and the bytes of the
-    activations and gradients it exchanges with other ranks to :attr:`sent` and :attr:`received`."""
+class StageTiming:
+    """Mixin for a torch pipeline stage (``PipelineStage``, or the tracer's ``_PipelineStage``): adds the
+    seconds spent computing to :attr:`busy` and the bytes of the activations and gradients it exchanges with
+    other ranks to :attr:`sent` and :attr:`received`."""
 
     busy: float = 0.0
     sent: int = 0
@@ -82,6 +83,10 @@ class TimedStage(PipelineStage):
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._counted(super().get_bwd_recv_ops(bwd_chunk_id), outgoing=False)
+
+
+class TimedStage(StageTiming, PipelineStage):
+    """``PipelineStage`` (a stage of a chain of units) with its compute timed and its bytes counted."""
 
 
 def send_activation(tensor: torch.Tensor, peer: int, group: Any) -> None:

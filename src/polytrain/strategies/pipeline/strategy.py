@@ -50,10 +50,12 @@ from polytrain.models.deferred import describe_whole_build, is_deferred
 from polytrain.options import option, register_section
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
-from polytrain.strategies.pipeline import plan, split
+from polytrain.strategies.pipeline import plan, split, traced
+from polytrain.strategies.pipeline.traced_run import TracedRun, chain_kind, must_trace
 from polytrain.strategies.pipeline.build import UnitMaker, release_unit
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
 from polytrain.strategies.step import StepResult, loss_divisor
+from polytrain.tasks import check_takes_labels
 from polytrain.strategies.tensor import axis as tp_axis
 
 
@@ -85,7 +87,7 @@ class PipelineConfig:
 
 
 @register_strategy
-class Pipeline(Strategy):
+class Pipeline(TracedRun, Strategy):
     name = "pipeline"
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
@@ -128,15 +130,18 @@ class Pipeline(Strategy):
                               f"{per} examples; pass a divisor of {per} or another --batch-size")
         plan.check_schedule(opts.schedule, pp, opts.microbatches)
         tp_axis.check_axis(layout, config, model)
-        if config.train.loss != "task":
-            raise ConfigError(f"--strategy {cls.name} computes the task's loss on the last stage; "
-                              "--loss model needs the whole model in one process")
         refuse_loss_scaling(config, cls.name, "the pipelining schedule runs each micro-batch's backward itself, "
                                               "and an overflow on one stage would have to skip the step on all")
         if model is None and config.model.model != "auto":
             model = _meta_model(config)
+        if model is not None and config.train.loss == "model":  # its own loss on the last stage: traced
+            check_takes_labels(model, config.model.model)
         if model is not None:
-            check_split(model, pp * plan.schedule_info(opts.schedule).chunks, opts.split_at)
+            stages, starts = pp * plan.schedule_info(opts.schedule).chunks, split.parse_split(opts.split_at)
+            if chain_kind(model) and not must_trace(model, starts, config.train.loss):
+                check_split(model, stages, opts.split_at)
+            elif starts is not None:  # cut by the tracer
+                traced.check_starts(model, starts, stages)
 
     # -- model -------------------------------------------------------------------------------------
 
@@ -174,7 +179,8 @@ class Pipeline(Strategy):
         #: a deferred model's unit maker (None: the model was built whole); the state loaded before the cut
         self._maker = UnitMaker(self.model, self.topology.device) if is_deferred(self.model) else None
         self._loaded: dict[str, Any] | None = None
-        if self._maker is not None and split.parse_split(opts.split_at) is not None:
+        starts = split.parse_split(opts.split_at)
+        if self._maker is not None and starts is not None and not must_trace(self.model, starts, self.recipe.loss):
             self._cut(_named_split(self.model, self.num_stages, opts.split_at))  # no sample needed
         return self.model
 
@@ -224,7 +230,7 @@ class Pipeline(Strategy):
             i: {key: _like(value, params[int(i)]) if torch.is_tensor(value) and key != "step" else value
                 for key, value in per.items()} for i, per in held["state"].items()}})
 
-    def _ensure_stages(self, sample: torch.Tensor) -> None:
+    def _ensure_stages(self, sample: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """At first use: the split chosen (``auto``) or the given one checked, on rank 0, and broadcast; then
         every rank holds only its stages and builds its part of the schedule."""
         if self.schedule is not None:
@@ -233,37 +239,49 @@ class Pipeline(Strategy):
         chosen = None
         if topo.rank == 0:
             try:
-                chosen = self._choose(sample)
+                chosen = self._choose(sample, labels)
             except ConfigError as exc:
                 chosen = exc
         chosen = topo.broadcast_object(chosen)
         if isinstance(chosen, ConfigError):
             raise chosen
+        if isinstance(chosen, traced.TracedSplit):
+            self._cut_traced(chosen, sample, labels)
+        else:
+            if self.split is None:
+                self._cut(chosen)
+            self._release_others()
         if topo.rank == 0:
-            get_logger().info(chosen.describe([self._owner(s) for s in range(self.num_stages)]))
-        if self.split is None:
-            self._cut(chosen)
-        self._release_others()
+            get_logger().info(self.split.describe([self._owner(s) for s in range(self.num_stages)]))
         if self.tp > 1:  # torchtitan's order: cut into stages, then each stage's layers split over tp
             tp_axis.split_stages(self)
         if self.sharded:
             self._shard()
         group = topo.axis_group("pp")
-        self.stage_objects = [TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
+        self.stage_objects = [self._traced_stage(s, group) if self.is_traced else
+                              TimedStage(self.modules[s], s, self.num_stages, topo.device, group=group)
                               for s in self.mine]
         for stage in self.stage_objects:  # --precision bf16-mixed: each stage's forward under autocast
             stage.autocast = self.amp.autocast
         cls = plan.torch_schedule_class(self.options.schedule)
         stages = self.stage_objects[0] if self.info.chunks == 1 else self.stage_objects
         # scale_grads off: each micro-batch's loss is already weighed by its share of the global batch
-        self.schedule = cls(stages, self.options.microbatches, loss_fn=self._loss, scale_grads=False)
+        loss_fn = self._model_loss if self.recipe.loss == "model" else self._loss
+        self.schedule = cls(stages, self.options.microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def _choose(self, sample: torch.Tensor) -> split.Split:
+    def _choose(self, sample: torch.Tensor, labels: torch.Tensor | None = None) -> split.Split | traced.TracedSplit:
         """Rank 0: the split (measured for ``auto``), after checking that the forward is the units in order.
-        A deferred model's units not yet made are made one at a time for it, and returned to meta after."""
-        resident = self._maker.resident if self._maker is not None else None
-        chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
-        return chosen if self.split is None else self.split
+        A deferred model's units not yet made are made one at a time for it, and returned to meta after.
+        A model that is not such a chain is cut by the tracer (:mod:`.traced_run` says when)."""
+        if not must_trace(self.model, split.parse_split(self.options.split_at), self.recipe.loss):
+            resident = self._maker.resident if self._maker is not None else None
+            try:
+                chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
+                return chosen if self.split is None else self.split
+            except ConfigError:
+                if chain_kind(self.model) or self._maker is not None:
+                    raise
+        return self._choose_traced(sample, labels)
 
     def _release_others(self) -> None:
         """Keep only this rank's stages resident: the other units' tensors are emptied in place (their
@@ -289,21 +307,27 @@ class Pipeline(Strategy):
     def train_step(self, batch: Batch, lr: float) -> StepResult:
         assert self.optimizer is not None
         opts = self.options
-        self._ensure_stages(self.amp.inputs(batch.inputs[: len(batch) // opts.microbatches]))
+        size = len(batch) // opts.microbatches
+        labels = self.recipe.task.model_labels(batch.inputs, batch.targets) if self.recipe.loss == "model" else None
+        self._ensure_stages(self.amp.inputs(batch.inputs[:size]), labels[:size] if labels is not None else None)
         self._set_lr(lr)  # after the stages are made: --shard-dp builds the optimizer again there
         self.optimizer.zero_grad(set_to_none=True)
-        self._global_units = batch.global_units
+        self._global_units = batch.global_units if labels is None else self._model_units(batch)
         for stage in self.stage_objects:
             stage.busy, stage.sent, stage.received = 0.0, 0, 0
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
         args = (self.amp.inputs(batch.inputs),) if 0 in self.mine else ()
-        self.schedule.step(*args, target=batch.targets, losses=losses, return_outputs=False)
+        if self.is_traced and args:  # stage 0's arguments in the traced graph's order (inputs, labels)
+            args = traced.root_args(self._traced_info, args[0], labels)
+        target = batch.targets if labels is None else labels
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         wall = time.perf_counter() - start
         busy = sum(stage.busy for stage in self.stage_objects)
         self.traffic.add(sum(s.sent for s in self.stage_objects), sum(s.received for s in self.stage_objects))
         self._busy, self._wall = self._busy + busy, self._wall + wall
         self._busy_total, self._wall_total = self._busy_total + busy, self._wall_total + wall
+        self._sync_tied()
         if self.sharded:  # reduce-scattered by FSDP; each parameter gathered once (kept until the last backward)
             moved = (self.replicas - 1) / self.replicas * self._stage_bytes
             self.traffic.add(2 * moved, 2 * moved)
@@ -333,7 +357,8 @@ class Pipeline(Strategy):
         if self.tp > 1:  # the split layers' squared norms summed over tp, the whole ones counted once
             more = (self.topology.axis_group("pp"),) if self.ranks > 1 else ()
             return tp_axis.clip_grads(self.owned, max_norm, self.topology.axis_group("tp"), more)
-        grads = [_local(p.grad) for p in self.owned if p.grad is not None]
+        skip = self._counted_once()  # a tied tensor's gradient counted on one of its ranks
+        grads = [_local(p.grad) for p in self.owned if p.grad is not None and id(p) not in skip]
         norms = [torch.linalg.vector_norm(g, 2) for g in grads]
         squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
         if self.sharded:
@@ -341,15 +366,22 @@ class Pipeline(Strategy):
         if self.ranks > 1:
             dist.all_reduce(squared, group=self.topology.axis_group("pp"))
         coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        for p in self.owned:
+            if p.grad is not None:
+                _local(p.grad).mul_(coef)
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         opts = self.options
         inputs = self.amp.inputs(inputs)
-        self._ensure_stages(inputs[: max(1, len(inputs) // opts.microbatches)])
+        size = max(1, len(inputs) // opts.microbatches)
+        labels = self.recipe.task.model_labels(inputs, targets) if self.recipe.loss == "model" else None
+        self._ensure_stages(inputs[:size], labels[:size] if labels is not None else None)
         with self.amp.autocast():
+            if self.is_traced:
+                out = self._traced_eval(inputs, targets)
+                return None if out is None else torch.stack(
+                    [v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
                                 self.topology.axis_group("pp"))
             if self.sharded:  # gathered for the forward: back to this rank's shards
@@ -387,6 +419,8 @@ class Pipeline(Strategy):
     # -- the whole model's state -------------------------------------------------------------------
 
     def _mine(self, key: str) -> bool:
+        if self._owned_set is not None:  # traced: the stages' own names
+            return key in self._owned_set
         return key.startswith(self._owned_keys)
 
     def _whole_model(self) -> dict[str, torch.Tensor] | None:
@@ -405,7 +439,7 @@ class Pipeline(Strategy):
             return None
         for part in parts:
             whole.update(part)
-        return whole
+        return self._retie(whole)
 
     def _optimizer_state(self) -> dict[str, Any]:
         """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
