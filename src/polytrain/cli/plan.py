@@ -2,7 +2,8 @@
 
 The layout of any strategy for the settings given (the same flags and ``--config`` files as ``polytrain
 train``): its processes, each rank's role and name, the mesh axes of the trainer ranks and each one's
-coordinates, the ranks the job may lose, the slices of a global batch. For ``pipeline`` and ``hybrid`` also
+coordinates, the ranks the job may lose, the slices of a global batch. With a ``tp`` axis, the tensor-parallel
+plan (which layers are split colwise or rowwise, how many each entry names). For ``pipeline`` and ``hybrid`` also
 the schedule: per rank, the ordered actions of one optimizer step (F forward, B backward, I/W its input and
 weight halves in the zero-bubble schedules), laid out in time by a replay with unit costs, and the bubble:
 the simulated one and the theoretical (P-1)/(vM+P-1). Then each rank's memory for parameters, gradients,
@@ -25,6 +26,7 @@ EXAMPLES = """\
 examples:
   polytrain plan --strategy async --workers 3 --servers 2
   polytrain plan --strategy hybrid --dp 2 --pp 2
+  polytrain plan --strategy tp --workers 4 --tp 2 --model transformer_lm --data text
   polytrain plan --strategy pipeline --stages 4 --microbatches 8 --schedule interleaved-1f1b --json
   polytrain plan --strategy fsdp --workers 4 --model transformer_lm --data text --optimizer adam
 """
@@ -54,12 +56,17 @@ def run(args: argparse.Namespace) -> int:
     layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
     check_settings_read(config, get_strategy(config.train.strategy), registered())
     schedule = _schedule(config, layout)
+    tp_plan = _tp_plan(config, layout)
     memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
     if getattr(args, "json", False):
         print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {}),
+                          **({"tp_plan": tp_plan[0].as_dict()} if tp_plan else {}),
                           "memory": memory.as_dict()}, indent=2))
         return 0
     print(layout.describe())
+    if tp_plan:
+        print()
+        print(tp_plan[0].describe(layout.axis("tp"), tp_plan[1]))
     if schedule:
         from polytrain.strategies.pipeline import plan
 
@@ -68,6 +75,18 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(memory.describe())
     return 0
+
+
+def _tp_plan(config: Any, layout: Any) -> tuple[Any, Any] | None:
+    """The tensor-parallel plan and the model it splits (on the meta device), where the layout has a ``tp``
+    axis; checked as train checks it (one line if it cannot split the model)."""
+    if layout.axis("tp") == 1:
+        return None
+    from polytrain.strategies.tensor.strategy import check_tp, meta_model
+
+    model = meta_model(config)
+    plan = check_tp(config, model, layout.axis("tp"))
+    return (plan, model) if plan is not None else None
 
 
 def _schedule(config: Any, layout: Any) -> dict[str, Any] | None:
