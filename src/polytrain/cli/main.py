@@ -9,6 +9,7 @@ from typing import Sequence
 
 import polytrain.components  # noqa: F401  (every setting, strategy, model and data set registered)
 from polytrain import __version__
+from polytrain.cli import advise as advise_cmd
 from polytrain.cli import bench as bench_cmd
 from polytrain.cli import compare as compare_cmd
 from polytrain.cli import checkpoint as checkpoint_cmd
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     devices_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
+    advise_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
