@@ -20,4 +20,5 @@ import polytrain.train.faults  # noqa: F401  (--max-restarts, --checkpoint-every
 import polytrain.train.loggers  # noqa: F401  (--log-every, --metrics-file, ...)
 import polytrain.train.optim  # noqa: F401  (--optimizer, --lr, ...)
 import polytrain.train.straggler  # noqa: F401  (--straggler)
+import polytrain.train.trackers  # noqa: F401  (--tracker mlflow|wandb)
 import polytrain.train.unit_options  # noqa: F401  (--activation-checkpointing, --compile)

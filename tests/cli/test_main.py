@@ -62,6 +62,15 @@ BAD_INPUT = [
     (["--nope"], "unrecognized arguments: --nope"),
     # checked before any worker starts: no "[rank 0]" in front
     (["--model", "mlp:foo=1"], "error: --model mlp:foo=1: unknown argument(s) foo; accepted: hidden, activation"),
+    # tensor parallel (--tp): the plan checked against the model before anything starts
+    (["--strategy", "tp", "--workers", "3", "--tp", "3", "--model", "transformer_lm", "--data", "text"],
+     "error: --tp 3 does not divide the 4 attention heads of blocks.0.attn.qkv; use a --tp that divides 4"),
+    (["--strategy", "hybrid", "--pp", "2", "--tp", "3", "--model", "transformer_lm", "--data", "text"],
+     "error: --tp 3 does not divide the 4 attention heads of blocks.0.attn.qkv"),
+    (["--strategy", "tp", "--tp", "2", "--model", "mlp"],
+     "error: --tp: --model mlp has no tensor-parallel plan; give one with --tp-plan FILE.toml"),
+    (["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--tp", "2", "--shard-dp", "--model", "transformer_lm",
+      "--data", "text"], "error: --shard-dp with --tp 2: sharding the split layers over dp as well is not supported"),
 ]
 
 

@@ -8,6 +8,9 @@ seconds since the loop began, ...),
 ``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
 ``eval_accuracy``, ``wall_s``, each trainer rank's memory: ``peak_memory_mb``, ``rank_peak_memory_mb``,
 ``rank_state_mb``, ``rank_activation_mb``, ``rank_memory_bytes`` (:mod:`polytrain.train.memory`), ...).
+
+Experiment trackers (``--tracker mlflow|wandb``, :mod:`polytrain.train.trackers`) get the same records: the
+config, each step's and evaluation's numbers under TensorBoard's names, the summary and the saved model.
 """
 
 from __future__ import annotations
@@ -49,17 +52,44 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def step_scalars(record: dict[str, Any]) -> dict[str, Any]:
+    """A step record's numbers by their TensorBoard names (``train/loss``, ``perf/rank0_examples_per_sec``,
+    ``strategy/rank1_bytes_sent``, ...), in the order TensorBoard gets them."""
+    out = {"train/loss": record["loss"]}
+    if "perplexity" in record:
+        out["train/perplexity"] = record["perplexity"]
+    out["train/lr"] = record["lr"]
+    out["perf/examples_per_sec"] = record["examples_per_sec"]
+    out["perf/sec_per_batch"] = record["sec_per_batch"]
+    for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
+        out[f"perf/rank{rank}_examples_per_sec"] = value
+    for rank, value in enumerate(record.get("rank_batch", [])):
+        out[f"perf/rank{rank}_batch"] = value
+    for key, values in record.items():  # a strategy's own per-rank numbers (take_metrics)
+        if key.startswith("rank_") and key not in ("rank_examples_per_sec", "rank_batch"):
+            for rank, value in enumerate(values):
+                if _number(value):
+                    out[f"strategy/rank{rank}_{key[5:]}"] = value
+    return out
+
+
 class RunLog:
     """Fans each record out to the enabled sinks. With ``enabled=False`` every call does nothing."""
 
-    def __init__(self, cfg: LogConfig, total_steps: int, enabled: bool = True):
+    def __init__(self, cfg: LogConfig, total_steps: int, enabled: bool = True, tracking: Any = None):
         self.cfg, self.total_steps, self.enabled = cfg, total_steps, enabled
         self.log = get_logger()
         self._bar = None
         self._tb = None
         self._metrics = None
+        self._trackers: list[Any] = []  # --tracker: MLflow / W&B runs (polytrain.train.trackers)
+        self._tracked = "FAILED"  # how the trackers' runs end if end() is never reached
+        self._model_file: Path | None = None
         if not enabled:
             return
+        if tracking is not None and tracking.tracker:
+            from polytrain.train.trackers import open_trackers  # imports a tracker's library: only when asked for
+            self._trackers = open_trackers(tracking)
         use_bar = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
         if use_bar:
             from tqdm import tqdm
@@ -85,6 +115,11 @@ class RunLog:
         if self.cfg.log_dir:
             Path(self.cfg.log_dir, "config.toml").write_text(config_toml)
         self._write({"event": "start", "step": start_step, "config": config})
+        if config.get("save_model"):
+            self._model_file = Path(config["save_model"])
+        for tracker in self._trackers:
+            tracker.start(config, config_toml)
+            self.info(f"tracking: {tracker.where}")
         if self._bar is not None:
             self._bar.update(start_step)
 
@@ -93,22 +128,11 @@ class RunLog:
             return
         self._write({"event": "step", **record})
         step = record["step"]
+        scalars = step_scalars(record)
         if self._tb is not None:
-            self._tb.add_scalar("train/loss", record["loss"], step)
-            if "perplexity" in record:
-                self._tb.add_scalar("train/perplexity", record["perplexity"], step)
-            self._tb.add_scalar("train/lr", record["lr"], step)
-            self._tb.add_scalar("perf/examples_per_sec", record["examples_per_sec"], step)
-            self._tb.add_scalar("perf/sec_per_batch", record["sec_per_batch"], step)
-            for rank, value in enumerate(record.get("rank_examples_per_sec", [])):
-                self._tb.add_scalar(f"perf/rank{rank}_examples_per_sec", value, step)
-            for rank, value in enumerate(record.get("rank_batch", [])):
-                self._tb.add_scalar(f"perf/rank{rank}_batch", value, step)
-            for key, values in record.items():  # a strategy's own per-rank numbers (take_metrics)
-                if key.startswith("rank_") and key not in ("rank_examples_per_sec", "rank_batch"):
-                    for rank, value in enumerate(values):
-                        if _number(value):
-                            self._tb.add_scalar(f"strategy/rank{rank}_{key[5:]}", value, step)
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, step)
+        self._track({**scalars, "train/epoch": record.get("epoch"), "perf/time_s": record.get("time_s")}, step)
         ranks, slices = record.get("rank_examples_per_sec", []), record.get("rank_batch", [])
         per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
         if len(set(slices)) > 1:  # a balanced split moved examples between ranks: show how many each took
@@ -138,6 +162,8 @@ class RunLog:
                 self._tb.add_scalar("eval/accuracy", accuracy, step)
             for key, value in extra.items():
                 self._tb.add_scalar(f"eval/{key}", value, step)
+        self._track({"eval/loss": loss, "eval/accuracy": accuracy, **{f"eval/{k}": v for k, v in extra.items()}},
+                    step)
         more = "".join(f"  {key} {value:.4g}" for key, value in extra.items())
         self.info(f"eval at step {step}: loss {loss:.4f}  accuracy {_fmt(accuracy, '.4f')}{more}")
 
@@ -165,6 +191,13 @@ class RunLog:
                     counts = torch.tensor(list(value.values()))
                     values = torch.tensor([float(k) for k in value]).repeat_interleave(counts)
                     self._tb.add_histogram(f"summary/{key[:-len('_histogram')]}", values, step)
+        if self._trackers:
+            self._track({f"summary/{key}": value for key, value in summary.items()}, summary.get("steps", 0))
+            model = self._model_file if "stopped" not in summary and self._model_file is not None \
+                and self._model_file.is_file() else None
+            for tracker in self._trackers:
+                tracker.end(summary, model)
+            self._tracked = "KILLED" if "stopped" in summary else "FINISHED"
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -176,6 +209,17 @@ class RunLog:
             self._tb.close()
         if self._metrics is not None:
             self._metrics.close()
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close(self._tracked)
+
+    def _track(self, scalars: dict[str, Any], step: int) -> None:
+        if self._trackers:
+            from polytrain.train.trackers import numbers
+
+            values = numbers(scalars)
+            for tracker in self._trackers:
+                tracker.log(values, step)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:

@@ -75,7 +75,7 @@ class Trainer:
             return self.strategy.own_loop.run(source)
         s, cfg = self.session, self.config
         started = time.perf_counter()
-        run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main)
+        run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main, tracking=cfg.tracking)
         try:
             run_log.start(s.config_flat, s.config_toml, s.start_step)
             run_log.info(s.describe())
