@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.devices.memory_limit import limited, parse_size
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
+from polytrain.distributed.cluster import scheduler, scheduler_threads
 from polytrain.distributed.context import Job, WorkerContext
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.processes import forkserver_ready, start_context
@@ -186,6 +187,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
         set_host_memory(host_memory)
         local = resolve_device(device, local_rank=int(os.environ.get("LOCAL_RANK", 0)), soft=soft_placement,
                                log=QUIET)
+        if scheduler() is not None:  # srun / mpirun start every task with all the cores: share them as we would
+            torch.set_num_threads(threads_per_worker or scheduler_threads())
         with limited(memory_limit, local, int(os.environ["RANK"])):  # this process is the worker
             return [join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout,
                                    orderly_stop=stop is not None, layout=layout)]

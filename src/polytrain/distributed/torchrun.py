@@ -1,10 +1,13 @@
 """Joining torchrun's process group: a worker that torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
-set) runs the function once in torchrun's group, with polytrain's heartbeat and stop signals over its store."""
+set) runs the function once in torchrun's group, with polytrain's heartbeat and stop signals over its store.
+A task of ``srun`` or ``mpirun`` joins the same way, once :mod:`.cluster` has written torchrun's variables
+from the scheduler's; its rank 0 hosts the store."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -15,7 +18,8 @@ from polytrain.devices.spec import default_backend, resolve_device
 from polytrain.distributed.context import WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.layout import Layout
-from polytrain.distributed.rendezvous import connect_store, gloo_interface
+from polytrain.distributed.cluster import failure_hook, scheduler
+from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface
 from polytrain.distributed.stop import StopSignal, exit_at_once
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
@@ -51,6 +55,7 @@ def join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, ba
         torch.cuda.set_device(resolved)
     chosen = backend if backend != "auto" else default_backend(resolved)
     delta = timedelta(seconds=timeout)
+    server = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent store outlives a restart, and so do the addresses the dead workers published in
         # it: a restarted worker could read one and fail to connect (seen on torch 2.13 with --standalone);
@@ -59,6 +64,11 @@ def join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, ba
                               timeout=delta)
         store = dist.PrefixStore(f"polytrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
                                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=delta)
+    elif scheduler() is not None:  # srun / mpirun: rank 0 hosts the store on the rendezvous address only
+        server = scheduler_store(rank, delta)
+        store = server.store if server is not None else connect_store(os.environ["MASTER_ADDR"],
+                                                                       int(os.environ["MASTER_PORT"]), delta)
         dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=delta)
     else:
         dist.init_process_group(chosen, timeout=delta)
@@ -69,8 +79,25 @@ def join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], device: str, ba
     if orderly_stop:  # a machine that alone got the signal (one preempted pod) stops the others too
         stop.connect(lambda: connect_store(address, port, delta), prefix=f"polytrain/stop/{run}")
     beat = watch_peers(address, port, rank, world, heartbeat_timeout, connect_timeout=timeout,
-                       prefix=f"polytrain/heartbeat/{run}")
+                       prefix=f"polytrain/heartbeat/{run}", report=failure_hook())  # (Slurm: requeue first)
     try:
         return with_heartbeat(beat, fn, WorkerContext(topology, stop, layout), *args)
     finally:
         dist.destroy_process_group()
+        if server is not None:
+            server.close()
+
+
+def scheduler_store(rank: int, timeout: timedelta) -> StoreServer | None:
+    """Rank 0's rendezvous store under srun or mpirun, bound to ``MASTER_ADDR`` alone (None on other ranks)."""
+    if rank != 0:
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        return StoreServer(timeout, socket.gethostbyname(address), port)
+    except OSError as exc:
+        raise ConfigError(f"rank 0 cannot find the rendezvous host {address}: {exc}; set MASTER_ADDR to the "
+                          "host of rank 0") from None
+    except ConfigError as exc:
+        raise ConfigError(f"rank 0 cannot host the rendezvous at {address}:{port} ({exc}); set MASTER_PORT to "
+                          "a free port, and MASTER_ADDR to the host rank 0 runs on") from None

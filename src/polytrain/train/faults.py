@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from polytrain.distributed.cluster import slurm_restart_count
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.options import option, register_section
@@ -44,7 +45,8 @@ class RestartConfig:
 
 def attempt_number() -> int:
     """Which attempt this process belongs to: 0 first, then 1 per restart (ours or torchrun's)."""
-    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) \
+        or slurm_restart_count()  # a job Slurm requeued
 
 
 

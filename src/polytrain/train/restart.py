@@ -14,6 +14,10 @@ Under ``torchrun`` the processes are torchrun's: its elastic agent restarts them
 (``TORCHELASTIC_RESTART_COUNT`` > 0). polytrain's own ``--max-restarts`` must not ask for more restarts
 than torchrun was given.
 
+Under ``srun`` the restarts are Slurm's: a worker that sees a restartable failure asks Slurm to requeue the
+job (``scontrol requeue``) while ``SLURM_RESTART_COUNT`` < ``--max-restarts``, and the requeued job resumes
+from the latest checkpoint (:mod:`polytrain.train.requeue`). Under ``mpirun`` nothing restarts the ranks.
+
 The workers' side (time-based checkpoints, the injected kill of the tests) is :mod:`polytrain.train.faults`.
 """
 
@@ -30,7 +34,9 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
+from polytrain.distributed.cluster import adopt, on_failure, scheduler, slurm_restart_count
 from polytrain.distributed.launch import under_torchrun
+from polytrain.train.requeue import check_scheduler_restarts, requeue_after_failure
 from polytrain.distributed.stop import StopSignal
 from polytrain.errors import CommunicationError, ConfigError, WorkerError
 from polytrain.log import get_logger
@@ -50,6 +56,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
         data: DataBundle | None = None) -> dict[str, Any] | None:
     """Train as ``config`` says, restarting after a failure up to ``--max-restarts`` times; return rank 0's
     summary with ``restarts`` and ``restart_causes`` (None in the other processes of a torchrun job)."""
+    adopt()  # a task of srun or mpirun joins its job as a torchrun worker does (distributed/cluster.py)
     check_restarts(config)
     stop = StopSignal()  # a stop signal, from here to the end, stops the run in order (distributed/stop.py)
     with stop.handling():
@@ -95,6 +102,9 @@ def check_restarts(config: RunConfig) -> None:
                           "to bound the work lost)")
     if restart.checkpoint_every_seconds and not directory:
         raise ConfigError("--checkpoint-every-seconds needs --checkpoint-dir DIR (where the checkpoints go)")
+    if scheduler() is not None:
+        check_scheduler_restarts(restart.max_restarts)
+        return
     if under_torchrun():
         given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         if restart.max_restarts > given:
@@ -108,16 +118,28 @@ def check_restarts(config: RunConfig) -> None:
 
 
 def _under_torchrun(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dict[str, Any] | None:
-    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """A worker started by torchrun, srun or mpirun: resume after a restart (torchrun's, or Slurm's requeue)."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or slurm_restart_count()
     if count and config.checkpoint.checkpoint_dir and not config.checkpoint.resume:
         if os.environ.get("RANK", "0") == "0":  # before the workers' logging is set up: say it once
-            get_logger().warning(f"torchrun restart {count}: resuming from the latest checkpoint in "
+            what = "Slurm requeue" if scheduler() == "slurm" else "torchrun restart"
+            get_logger().warning(f"{what} {count}: resuming from the latest checkpoint in "
                                  f"{config.checkpoint.checkpoint_dir}")
         config = copy.deepcopy(config)
         config.checkpoint.resume = True
     rank0 = os.environ.get("RANK", "0") == "0"  # the global rank 0 holds the directory for the whole job
+    requeue = (lambda _error: requeue_after_failure(config.restart.max_restarts)) \
+        if scheduler() == "slurm" and config.restart.max_restarts else None
+    on_failure(requeue)  # a rank lost: this one requeues the job before it exits (train/requeue.py)
     with hold(config.checkpoint.checkpoint_dir if rank0 else None):
-        summary = run_once(config, model=model, data=data, stop=stop)
+        try:
+            summary = run_once(config, model=model, data=data, stop=stop)
+        except (*RESTARTABLE, RuntimeError, OSError):  # a peer lost, or a collective it broke (gloo's own error)
+            if requeue is not None and not stop.requested:
+                requeue(None)
+            raise
+        finally:
+            on_failure(None)
     if summary is not None and count:
         summary["restarts"] = count  # the causes are in torchrun's own log
     return summary
