@@ -49,6 +49,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any further training setting for every case, by config key (repeatable), "
                              "e.g. --set comm=backend")
+    parser.add_argument("--link", action="append", metavar="RATE[,RATE...]", dest="link",
+                        help="run every case on an emulated network instead: each process in a network namespace "
+                             "of its own, joined to one bridge by a link of RATE each way (tc's words: 100mbit, "
+                             "1gbit); several rates run every case at each. Needs Linux and root "
+                             "(docs/network-lab.md)")
     parser.add_argument("--out", default="compare-results", metavar="DIR",
                         help="where the table, plot and per-case metrics go (default: compare-results)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -66,6 +71,9 @@ def compare_config(args: argparse.Namespace):
             values[field.name] = given
     if args.target_loss is not None and args.target_accuracy is None:
         values["target_accuracy"] = None  # a loss target alone replaces the default accuracy target
+    if getattr(args, "link", None):
+        from polytrain.compare.link import parse_links
+        values["links"] = parse_links(args.link)
     try:
         values["extra"] = parse_assignments(args.set) if args.set else {}
     except ValueError as exc:
@@ -82,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     specs, notes = compare.available(compare.parse_specs(cfg.strategies), named_by_user=args.strategies is not None)
     cases = compare.plan_cases(cfg, specs)
     compare.check_cases(cfg, cases)
+    if cfg.links:
+        from polytrain.compare.link import check_link
+        check_link(cfg.links)
     if not args.no_plot:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
@@ -97,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "compare.md").write_text(compare.format_markdown(doc))
     written = [out / "compare.json", out / "compare.md"]
     if not args.no_plot:
-        compare.plot(outcomes, out / "compare.png", title=f"{cfg.model} on {cfg.data}, {cfg.workers} workers")
+        compare.plot(outcomes, out / "compare.png", title=f"{cfg.model} on {cfg.data}, {cfg.workers} workers",
+                     table=doc["rows"])
         written.append(out / "compare.png")
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -25,7 +25,7 @@ def rows(cfg: CompareConfig, outcomes: list[Outcome]) -> list[dict[str, Any]]:
     for o in outcomes:
         by_case.setdefault(o.label, []).append(o)
     # the reference is plain "sync" (not "sync:comm=backend"), one per set of stragglers and round
-    reference = {(tuple(o.stragglers), o.round): o for o in outcomes if o.label.split(" ")[0] == REFERENCE}
+    reference = {(tuple(o.stragglers), o.round, o.link): o for o in outcomes if o.label.split(" ")[0] == REFERENCE}
     out = []
     for label, runs in by_case.items():
         first, s = runs[0], runs[0].summary
@@ -47,9 +47,15 @@ def rows(cfg: CompareConfig, outcomes: list[Outcome]) -> list[dict[str, Any]]:
             "rank_straggler_s": s.get("rank_straggler_s"),
             "slices_per_worker": s.get("slices_per_worker"),
         }
+        if first.link:  # --link: the emulated network's rate and what the busiest link did (rounds' medians)
+            row["link"] = first.link_stats.get("link")
+            row["link_bits_per_s"] = first.link
+            for key in ("link_busy_s_per_step", "link_utilisation", "link_bytes_per_example"):
+                row[key] = _median([o.link_stats.get(key) for o in runs])
+            row["link_job_bytes"] = _median([sum(o.link_stats.get("link_tx_bytes_job") or [0]) for o in runs])
         if len(runs) > 1:
             row["examples_per_sec_range"] = _spread([o.examples_per_sec for o in runs])
-        refs = [(o, reference.get((tuple(o.stragglers), o.round))) for o in runs]
+        refs = [(o, reference.get((tuple(o.stragglers), o.round, o.link))) for o in runs]
         refs = [(o, ref) for o, ref in refs if ref is not None and ref is not o]
         if refs:
             speed = [_ratio(o.examples_per_sec, ref.examples_per_sec) for o, ref in refs]
@@ -88,8 +94,11 @@ def document(cfg: CompareConfig, table: list[dict[str, Any]], outcomes: list[Out
              notes: list[str]) -> dict[str, Any]:
     from polytrain.bench.report import environment
 
+    config = dataclasses.asdict(cfg)
+    if not cfg.links:
+        config.pop("links")  # without --link the document is as it was
     return {
-        "config": dataclasses.asdict(cfg),
+        "config": config,
         # on a shared machine the load says how much the absolute numbers mean
         "environment": {**environment(), "load_average": [round(v, 2) for v in os.getloadavg()]},
         "notes": notes,
@@ -113,9 +122,24 @@ COLUMNS = [  # (key, heading, format)
 ]
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
+#: with --link: after the case, the rate; after the bytes, what the busiest link did
+LINK_COLUMNS = [
+    ("link", "link", "{}"),
+    ("link_busy_s_per_step", "link busy s/step", "{:.4f}"),
+    ("link_utilisation", "link use", "{:.0%}"),
+]
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    if not any(r.get("link") for r in rows):
+        return COLUMNS
+    at = [key for key, _, _ in COLUMNS].index("fewer_bytes_than_sync") + 1
+    return COLUMNS[:1] + LINK_COLUMNS[:1] + COLUMNS[1:at] + LINK_COLUMNS[1:] + COLUMNS[at:]
+
+
+def _cells(row: dict[str, Any], columns: list[tuple[str, str, str]] = COLUMNS) -> list[str]:
     cells = []
-    for key, _, fmt in COLUMNS:
+    for key, _, fmt in columns:
         if key == "speed_vs_sync_range":
             spread = row.get(key)
             cells.append("-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}")
@@ -142,37 +166,55 @@ def _heading(doc: dict[str, Any]) -> list[str]:
             f"evaluated every {cfg['eval_every']} steps"
             + (f", {cfg['repeats']} interleaved rounds (medians)" if cfg.get("repeats", 1) > 1 else "")
             + "; target: "
-            f"{_target(CompareConfig(**{k: v for k, v in cfg.items()}))}",
+            f"{_target(CompareConfig(**{k: v for k, v in cfg.items()}))}"
+            + (f"; on an emulated network, each process in a namespace of its own with links of "
+               f"{', '.join(_rate(r) for r in cfg['links'])} each way" if cfg.get("links") else ""),
             f"{env['cpu']}, {env['cores']} cores (load average {env.get('load_average')}), torch {env['torch']}, "
             f"polytrain {env['polytrain']}, {env['date']}"]
 
 
 def format_text(doc: dict[str, Any]) -> str:
-    table = [[h for _, h, _ in COLUMNS]] + [_cells(r) for r in doc["rows"]]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    columns = _columns(doc["rows"])
+    table = [[h for _, h, _ in columns]] + [_cells(r, columns) for r in doc["rows"]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
              for line in table]
     return "\n".join(_heading(doc) + [""] + lines + [f"note: {n}" for n in doc["notes"]])
 
 
 def format_markdown(doc: dict[str, Any]) -> str:
-    head = [h for _, h, _ in COLUMNS]
+    columns = _columns(doc["rows"])
+    head = [h for _, h, _ in columns]
     lines = [f"# polytrain compare", "", *(f"{line}  " for line in _heading(doc)), "",
              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in doc["rows"]]
+    lines += ["| " + " | ".join(_cells(r, columns)) + " |" for r in doc["rows"]]
     lines += [""] + [f"- {n}" for n in doc["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def plot(outcomes: list[Outcome], path: Path, title: str = "") -> None:
+def _rate(bits: int) -> str:
+    from polytrain.netlab import format_rate
+    return format_rate(bits)
+
+
+def plot(outcomes: list[Outcome], path: Path, title: str = "", table: list[dict[str, Any]] | None = None) -> None:
     """Training loss against wall-clock seconds and against examples seen, one line per case (dashed: with
-    stragglers). Needs matplotlib (``pip install polytrain[plot]``)."""
+    stragglers). With ``--link`` (``table``'s rows have a link) a second row of panels: examples/sec and the
+    busiest link's busy seconds per step against the link rate, one line per strategy (labels: link use).
+    Needs matplotlib (``pip install polytrain[plot]``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_examples) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    linked = [r for r in table or [] if r.get("link_bits_per_s")]
+    if linked:
+        fig, axes = plt.subplots(2, 2, figsize=(13, 10))
+        (by_time, by_examples), (speed, busy) = axes
+        by_examples.sharey(by_time)
+        _plot_links(linked, speed, busy)
+    else:
+        fig, (by_time, by_examples) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colours = {}
     for o in outcomes:
         if o.round:
@@ -192,3 +234,25 @@ def plot(outcomes: list[Outcome], path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_links(rows: list[dict[str, Any]], speed: Any, busy: Any) -> None:
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        lines.setdefault(row["case"].rsplit(" @", 1)[0], []).append(row)
+    for i, (name, points) in enumerate(lines.items()):
+        points.sort(key=lambda r: r["link_bits_per_s"])
+        rates = [r["link_bits_per_s"] / 1e6 for r in points]
+        style = "--" if "+straggler" in name else "-"
+        speed.plot(rates, [r.get("examples_per_sec") or 0 for r in points], style + "o", color=f"C{i}", label=name)
+        busy.plot(rates, [r.get("link_busy_s_per_step") or 0 for r in points], style + "o", color=f"C{i}", label=name)
+        for r, x in zip(points, rates):
+            if r.get("link_utilisation") is not None:
+                busy.annotate(f"{r['link_utilisation']:.0%}", (x, r.get("link_busy_s_per_step") or 0), fontsize=7,
+                              textcoords="offset points", xytext=(3, 3))
+    speed.set(xscale="log", xlabel="link rate (Mbit/s, each way)", ylabel="examples/sec (all workers)")
+    busy.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s, each way)",
+             ylabel="busiest link's seconds sending per step (labels: link use)")
+    speed.legend(fontsize=8)
+    for ax in (speed, busy):
+        ax.grid(alpha=0.3)

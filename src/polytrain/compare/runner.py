@@ -22,15 +22,23 @@ from polytrain.errors import ConfigError
 class Case:
     spec: StrategySpec
     stragglers: list[str]
+    link: int | None = None  # --link: bits/s of every link of the emulated network (None: no emulated network)
 
     @property
     def label(self) -> str:
-        return self.spec.text + (f" +straggler {','.join(self.stragglers)}" if self.stragglers else "")
+        return self.spec.text + (f" +straggler {','.join(self.stragglers)}" if self.stragglers else "") \
+            + (f" @{_rate(self.link)}" if self.link else "")
 
     @property
     def file_stem(self) -> str:
-        text = self.spec.text + ("-straggler-" + "-".join(self.stragglers) if self.stragglers else "")
+        text = self.spec.text + ("-straggler-" + "-".join(self.stragglers) if self.stragglers else "") \
+            + (f"-link-{_rate(self.link)}" if self.link else "")
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _rate(bits: int) -> str:
+    from polytrain.netlab import format_rate
+    return format_rate(bits)
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Outcome:
     #: (step, wall seconds, eval loss, eval accuracy) at every evaluation
     evals: list[tuple[int, float | None, float, float | None]] = field(default_factory=list)
     round: int = 0  # which of the --repeats rounds
+    link: int | None = None  # --link: the link rate in bits/s
+    link_stats: dict[str, Any] = field(default_factory=dict)  # compare.link.run_on_link's numbers
 
     @property
     def examples_per_sec(self) -> float | None:
@@ -67,10 +77,13 @@ class Outcome:
 
 
 def plan_cases(cfg: CompareConfig, specs: list[StrategySpec]) -> list[Case]:
-    """Every strategy without stragglers, then (with ``--straggler``) every strategy with them."""
+    """Every strategy without stragglers, then (with ``--straggler``) every strategy with them; with
+    ``--link``, all of that at each link rate in turn."""
     cases = [Case(spec, []) for spec in specs]
     if cfg.stragglers:
         cases += [Case(spec, list(cfg.stragglers)) for spec in specs]
+    if cfg.links:
+        cases = [Case(c.spec, c.stragglers, rate) for rate in cfg.links for c in cases]
     return cases
 
 
@@ -97,9 +110,18 @@ def check_cases(cfg: CompareConfig, cases: list[Case]) -> None:
 
     for case in cases:
         try:
-            check(make_config(**cfg.settings(case.spec, case.stragglers)))
+            check(make_config(**case_settings(cfg, case)))
         except ConfigError as exc:
             raise ConfigError(f"case {case.label}: {exc}") from None
+
+
+def case_settings(cfg: CompareConfig, case: Case) -> dict[str, Any]:
+    """The ``polytrain.fit`` settings of ``case`` (on the emulated network: what keeps traffic on the links)."""
+    settings = cfg.settings(case.spec, case.stragglers)
+    if case.link:
+        from polytrain.compare.link import link_settings
+        settings = link_settings(settings, case.label)
+    return settings
 
 
 def run_cases(cfg: CompareConfig, cases: list[Case], workdir: Path,
@@ -113,10 +135,23 @@ def run_cases(cfg: CompareConfig, cases: list[Case], workdir: Path,
         metrics = workdir / f"{case.file_stem}{f'-round{r + 1}' if cfg.repeats > 1 else ''}.jsonl"
         metrics.unlink(missing_ok=True)  # the metrics file appends: start each case afresh
         progress(f"[{i}/{len(runs)}] {case.label}" + (f" (round {r + 1})" if cfg.repeats > 1 else ""))
-        summary = polytrain.fit(**cfg.settings(case.spec, case.stragglers), metrics_file=str(metrics))
-        outcome = read_outcome(case, summary, metrics, r)
+        if case.link:
+            from polytrain.compare.link import run_on_link
+            from polytrain.config import make_config
+            from polytrain.train.run import check
+
+            settings = case_settings(cfg, case)
+            processes = check(make_config(**settings)).processes  # one node per process, servers included
+            summary, link_stats = run_on_link(settings, case.link, processes, metrics, workdir)
+            outcome = read_outcome(case, summary, metrics, r)
+            outcome.link, outcome.link_stats = case.link, link_stats
+        else:
+            summary = polytrain.fit(**cfg.settings(case.spec, case.stragglers), metrics_file=str(metrics))
+            outcome = read_outcome(case, summary, metrics, r)
         progress(f"    {outcome.examples_per_sec} examples/sec, eval accuracy "
-                 f"{outcome.summary.get('eval_accuracy')}, {outcome.summary.get('wall_s')} s")
+                 f"{outcome.summary.get('eval_accuracy')}, {outcome.summary.get('wall_s')} s"
+                 + (f", link busy {outcome.link_stats.get('link_utilisation', 0) * 100:.0f} % of the time"
+                    if outcome.link_stats.get("link_utilisation") is not None else ""))
         outcomes.append(outcome)
     return outcomes
 

@@ -83,6 +83,8 @@ class CompareConfig:
     repeats: int = 1
     #: further settings for every case, by config key (``comm=backend``, ``threads_per_worker=1``)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: --link: every case also (only) on an emulated network at each of these rates, bits/s (empty: off)
+    links: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         for name in ("workers", "worker_batch_size", "steps", "eval_every", "log_every", "repeats"):

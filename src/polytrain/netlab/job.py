@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from polytrain.netlab.lab import NetLab, empty
 
@@ -70,11 +70,13 @@ def node_env(lab: NetLab, base: dict[str, str] | None = None, threads: int | Non
 
 def run_job(lab: NetLab, args: Sequence[str], logs: Path, *, run_id: str, timeout_s: float = 3600.0,
             grace_s: float = 15.0, env: dict[str, str] | None = None, threads: int | None = None,
-            started: "list[subprocess.Popen] | None" = None) -> JobResult:
+            started: "list[subprocess.Popen] | None" = None,
+            poll: Callable[[], None] | None = None) -> JobResult:
     """Run ``python -m polytrain ARGS`` as one job over every node of ``lab`` and wait for it.
 
     Each node's output goes to ``logs/node<i>.log``. ``started``, if given, receives the node processes as
-    they start (a test kills one). Killed after ``timeout_s`` in all; after the first failure the others get
+    they start (a test kills one); ``poll`` is called about every 0.1 s while the job runs (keep it cheap: it
+    shares the machine with the job). Killed after ``timeout_s`` in all; after the first failure the others get
     ``grace_s``. The processes are gone when this returns or raises (Ctrl-C included).
     """
     logs.mkdir(parents=True, exist_ok=True)
@@ -96,9 +98,13 @@ def run_job(lab: NetLab, args: Sequence[str], logs: Path, *, run_id: str, timeou
                 failed_at = now
             if now > deadline or (failed_at is not None and now - failed_at > grace_s):
                 break
+            if poll is not None:
+                poll()
             time.sleep(0.1)
         wall = time.monotonic() - begin
         codes = [p.poll() for p in procs]
+        if poll is not None:
+            poll()  # once more: what the job wrote just before it ended
     finally:
         for node in lab.nodes:  # whatever is still running: nothing of the job outlives this call
             empty(node.namespace)
