@@ -27,6 +27,7 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     :class:`Strategy` subclass defined at module level (every worker imports it by name).
     """
     from polytrain.train.restart import run  # the run, restarted after a failure as --max-restarts says
+    from polytrain.distributed.hangs import use_run_directory
 
     chosen = settings.get("strategy")
     if isinstance(chosen, type) and issubclass(chosen, Strategy):  # a class: named so workers import it
@@ -41,6 +42,7 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     elif settings:
         config = resolve(config.flat(), {k.replace("-", "_"): v for k, v in settings.items()},
                          file_name="the config passed to fit()")
+    use_run_directory(config)  # where a hang report is written (distributed/hangs.py)
     return run(config, model=model_obj, data=data_obj)
 
 

@@ -64,11 +64,13 @@ def _argument_kwargs(info: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from polytrain.train.restart import run as run_training  # restarted after a failure (--max-restarts)
+    from polytrain.distributed.hangs import use_run_directory
 
     config = config_from(args)
     if vars(args).get("print_config"):
         print(to_toml(config), end="")
         return 0
+    use_run_directory(config)  # where a hang report is written (distributed/hangs.py)
     summary = run_training(config)
     if summary is not None:  # None: a non-main rank of a torchrun job
         print(format_summary(summary))

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from polytrain.distributed.hangs import is_timeout
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.supervisor import describe_exception
@@ -72,6 +73,8 @@ def with_heartbeat(beat: Any, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         result = fn(*args)
     except BaseException as exc:
+        if is_timeout(exc) and hasattr(beat, "explain"):  # a collective gave up waiting: say who is behind
+            beat.explain(f"a collective of this rank timed out ({describe_exception(exc)['message'][:200]})")
         beat.failed(describe_exception(exc)["message"])
         raise
     beat.goodbye()

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
+from polytrain.distributed import collectives, hangs
 from polytrain.distributed.lost import LostRanks
 from polytrain.errors import PeerLostError
 from polytrain.log import get_logger
@@ -98,6 +99,7 @@ class Heartbeat:
         self.store.set_timeout(store_timeout(self.timeout))  # a hung store call counts as the store lost
         where = {"host": socket.gethostname(), "pid": os.getpid()}
         self.store.set(self._key("where", self.rank), json.dumps(where))
+        self._publish()  # this rank's last collectives (distributed/hangs.py): one set with every beat
         self.store.add(self._keys[self.rank], 1)
         self._thread = threading.Thread(target=self._run, name=f"polytrain-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
@@ -145,9 +147,11 @@ class Heartbeat:
         store_since: float | None = None  # when the store stopped answering
         for key in self._keys:  # a rank not started yet reads 0 rather than blocking multi_get
             self.store.add(key, 0)
+        self._moved = moved
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
+                self._publish()
                 self.store.add(self._keys[self.rank], 1)
                 values = [int(v) for v in self.store.multi_get(self._keys)]
                 store_since, self._contact = None, time.monotonic()
@@ -167,7 +171,7 @@ class Heartbeat:
             last_tick = now
             error = self._check(values, seen, moved, now, started)
             if error is not None:
-                self._lose(error)
+                self._lose(self._explained(error, values, moved, now))
                 return
 
     def _guard(self) -> None:
@@ -226,6 +230,68 @@ class Heartbeat:
                 return
             self._ended = True
         self.on_lost(error)
+
+    # -- the hang report (distributed/hangs.py) --------------------------------------------------------
+
+    def _publish(self) -> None:
+        """This rank's last collective, where the others read it when something hangs (store errors propagate:
+        the beat that follows would meet the same)."""
+        try:
+            record = json.dumps(collectives.latest())
+        except Exception:  # a bug in reading the record must not stop the beat
+            return
+        self.store.set(self._key("last", self.rank), record)
+
+    def _explained(self, error: PeerLostError, values: list[int], moved: list[float],
+                   now: float) -> PeerLostError:
+        """Print and write the hang report for a silent rank's ``error``; the error, naming where that rank was
+        and where the report is. A rank that failed with an error (its message says why) gets none."""
+        if error.rank is None or not 0 < values[error.rank] < BYE:  # (0: it never started; no hang)
+            return error
+        try:
+            text, verdict = self._report(str(error), values, moved, now)
+        except Exception as exc:  # the report is a help, never a reason to keep a survivor waiting
+            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}")
+            return error
+        path = hangs.write(text)
+        where = verdict.get(error.rank, "").split(", ", 1)[-1]  # (less its silence: the error says it)
+        if not where and not path:
+            return error
+        return PeerLostError(f"{error}" + (f"; its last collective: {where}" if where else "")
+                             + (f"; hang report in {path}" if path else ""), error.rank)
+
+    def explain(self, headline: str) -> str | None:
+        """The hang report, for a collective of this rank that timed out (called from the main thread): logged,
+        written to the run directory; its text (None if it could not be made)."""
+        moved = getattr(self, "_moved", None)
+        try:
+            values = [int(v) for v in self.store.multi_get(self._keys)]
+            now = time.monotonic()
+            text, _ = self._report(headline, values, moved or [now] * self.world_size, now)
+        except Exception as exc:
+            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}")
+            return None
+        hangs.write(text)
+        return text
+
+    def _report(self, headline: str, values: list[int], moved: list[float], now: float) -> tuple[str, dict[int, str]]:
+        records: dict[int, dict | None] = {}
+        for rank in range(self.world_size):
+            key = self._key("last", rank)
+            if rank == self.rank:
+                records[rank] = collectives.latest()
+            elif self.store.check([key]):
+                records[rank] = json.loads(self.store.get(key))
+            else:
+                records[rank] = None
+        ended = [r for r, v in enumerate(values) if v >= BYE]
+        since = {r: (0.0 if r == self.rank else now - moved[r]) for r in range(self.world_size)}
+        silent = {r: since[r] for r in range(self.world_size)
+                  if r != self.rank and r not in ended and since[r] > self.timeout}
+        names = [self._describe(r) for r in range(self.world_size)]
+        text, verdict = hangs.report(self.rank, headline, records, since, silent, names, ended)
+        get_logger().error(text)
+        return text, verdict
 
     def _address(self) -> str:
         """`` at HOST:PORT`` of a TCP store (what a survivor cut off from it can check), else nothing."""

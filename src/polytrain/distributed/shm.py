@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from polytrain.distributed import futex
+from polytrain.distributed import collectives, futex
 from polytrain.errors import CommunicationError, ConfigError
 
 SHM_DIR = "/dev/shm"
@@ -222,6 +222,7 @@ class SharedMemoryAllReduce:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"shared-memory all-reduce takes contiguous CPU tensors, got a "
                              f"{'contiguous' if tensor.is_contiguous() else 'strided'} tensor on {tensor.device}")
+        record = collectives.begin("shm:all_reduce", "shm", [list(tensor.shape)])  # for a hang report
         flat = tensor.view(-1)
         per_chunk = self.chunk_bytes // flat.element_size()
         inputs, output = self._inputs.view(flat.dtype), self._output.view(flat.dtype)
@@ -240,6 +241,7 @@ class SharedMemoryAllReduce:
                     out.div_(self.world_size)
             self._barrier()
             part.copy_(output[:count])
+        collectives.end(record)
         return tensor
 
     def _share(self, count: int) -> tuple[int, int]:
