@@ -2,7 +2,8 @@
 (``--suite throughput``, the default); a pipeline's speed-up against its theoretical one
 (``--suite pipeline``); every pipeline configuration run 200 steps under a time limit (``--suite
 pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``); fsdp against a
-plain fully_shard loop, with each rank's memory (``--suite fsdp``); useful steps per second of a job that loses a
+plain fully_shard loop, with each rank's memory (``--suite fsdp``); tp against a plain parallelize_module loop
+(``--suite tp``); useful steps per second of a job that loses a
 worker every minute, against the same job undisturbed (``--suite goodput``)."""
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ polytrain sync for reference; examples/s after the warm-up (and by the median st
 plain (median of the per-repeat ratios, with min-max) and each rank's peak memory and parameter, gradient
 and optimizer bytes.
 
+--suite tp: polytrain --strategy tp --tp N (N workers x 1 thread, every rank the whole global --batch-size)
+against a plain tensor-parallel loop (parallelize_module with the same plan written out by hand, Adam or SGD,
+cross-entropy) on the same transformer_lm, initial values and batches; examples/s after the warm-up (and by the
+median step) and the speed ratio tp / plain (median of the per-repeat ratios, with min-max).
+
 --suite goodput: polytrain train (sync, --workers 4) run for --duration seconds of wall time (600) three ways:
 undisturbed; with a random worker SIGKILLed every --failure-every seconds (60) and --max-restarts, a checkpoint
 every --checkpoint-every-seconds (30); and the same failures with --on-failure continue. Useful steps (the
 step reached when the time is up) per second, and goodput = useful steps / the undisturbed job's. Three jobs:
 about 3 x --duration in all."""
 
-SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp", "goodput")
+SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp", "tp", "goodput")
 
 #: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {
@@ -69,6 +75,8 @@ QUICK = {
                 "warmup": 1, "steps": 2, "repeats": 1},
     "fsdp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "worker_batch_size": 4,
              "warmup": 1, "steps": 2, "repeats": 1},
+    "tp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "batch_size": 4,
+           "warmup": 1, "steps": 2, "repeats": 1},
     "goodput": {"duration": 20.0, "failure_every": 8.0, "checkpoint_every_seconds": 4.0, "workers": 2},
 }
 
@@ -106,9 +114,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--worker-batch-size", type=int, metavar="N",
                         help="throughput and fsdp: examples per worker per step")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="throughput and fsdp: workers of sync, DDP and fsdp (default: 2)")
+                        help="throughput, fsdp and tp: workers of sync, DDP, fsdp and tp (default: 2)")
     parser.add_argument("--batch-size", type=int, metavar="N",
-                        help="pipeline and compile suites: the global batch per step")
+                        help="pipeline, compile and tp suites: the global batch per step")
     parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
     parser.add_argument("--microbatches", type=_ints, metavar="M,M,..",
                         help="pipeline: micro-batch counts (default: 1,2,4,8)")
@@ -120,12 +128,13 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--repeats", type=int, metavar="N",
                         help="runs of every case, interleaved; the median counts (default: 3)")
     parser.add_argument("--lr", type=float, help="learning rate")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), help="fsdp: the optimizer of every case (default: adam)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"),
+                        help="fsdp and tp: the optimizer of every case (default: adam)")
     parser.add_argument("--seed", type=int, help="seed (default: 0)")
     parser.add_argument("--timeout", type=float, metavar="S", help="collective timeout (pipeline-soak: wall-clock "
                                                                    "seconds per configuration, default 300)")
     parser.add_argument("--host-memory", choices=HOST_MEMORY_CHOICES,
-                        help="throughput and fsdp: freed tensor memory in every case, the plain scripts' too "
+                        help="throughput, fsdp and tp: freed tensor memory in every case, the plain scripts' too "
                              "(default: cache)")
     parser.add_argument("--duration", type=_seconds, metavar="S",
                         help="goodput: wall time of each job, e.g. 600 or 10m (default: 600)")
@@ -159,6 +168,9 @@ def _config_class(suite: str) -> type:
     if suite == "fsdp":
         from polytrain.bench.fsdp import FsdpBenchConfig
         return FsdpBenchConfig
+    if suite == "tp":
+        from polytrain.bench.tp import TpBenchConfig
+        return TpBenchConfig
     if suite == "goodput":
         from polytrain.bench.goodput import GoodputBenchConfig
         return GoodputBenchConfig
@@ -197,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
         doc = _run_compile(cfg, args)
     elif args.suite == "fsdp":
         doc = _run_fsdp(cfg, args)
+    elif args.suite == "tp":
+        doc = _run_tp(cfg, args)
     elif args.suite == "goodput":
         doc = _run_goodput(cfg, args)
     else:
@@ -287,6 +301,13 @@ def _run_compile(cfg, args: argparse.Namespace) -> dict | None:
 
 def _run_fsdp(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench.fsdp import describe, format_markdown, format_text, run_suite
+
+    print(describe(cfg), flush=True)
+    return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
+
+
+def _run_tp(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.tp import describe, format_markdown, format_text, run_suite
 
     print(describe(cfg), flush=True)
     return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)

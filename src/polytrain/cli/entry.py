@@ -33,7 +33,19 @@ def main() -> int:
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)
-    return command()
+    code = command()
+    from polytrain.distributed.torchrun import under_torchrun
+
+    if under_torchrun():  # one worker of torchrun, srun or mpirun (as python -m polytrain does: see __main__)
+        import logging
+
+        # a C++ thread of torch's (store, gloo) can abort a run that succeeded in the interpreter's finalization
+        # ("terminate called without an active exception": seen under srun, a task in a store wait at exit)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code if isinstance(code, int) else 1)
+    return code
 
 
 if __name__ == "__main__":

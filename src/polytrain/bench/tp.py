@@ -1,0 +1,208 @@
+"""``polytrain bench --suite tp``: ``--strategy tp`` against a plain ``parallelize_module`` loop on the same
+model and batches, in one run.
+
+Two cases train the same model from the same initial values on the same batches with the same optimizer:
+
+* ``polytrain --strategy tp --workers T --tp T`` through ``polytrain.fit`` as a user runs it (1 thread a
+  worker), timed from its metrics file's step records (the end of the warm-up to the last step, rank 0's clock);
+* the plain loop (:mod:`polytrain.bench.tp_reference`): ``parallelize_module`` with a hand-written plan over a
+  1-D mesh, zero_grad / forward / cross-entropy / backward / step, its own ``python`` process, timed over the
+  same steps.
+
+They run in interleaved repeats (each repeat starting one case later); the speed ratio tp / plain is the median
+of the per-repeat ratios, with their min and max, over the timed window and by the median step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from polytrain.bench.cases import interleaved, tokens_per_example
+from polytrain.bench.measure import BenchError, run_reference
+from polytrain.bench.report import environment
+from polytrain.errors import ConfigError
+
+#: the speed polytrain tp should keep of the plain loop's
+TARGET = 0.98
+
+
+@dataclass(frozen=True)
+class TpBenchConfig:
+    # 4 blocks of width 256 over 128 tokens: 3.4 M parameters, a step of a few hundred ms on one core, so the
+    # activations' all-reduces are a real part of it
+    model: str = "transformer_lm:layers=4,dim=256,heads=4"
+    data: str = "text:seq_len=128"
+    batch_size: int = 8
+    workers: int = 2  # = --tp: one replica
+    warmup: int = 5
+    steps: int = 20
+    repeats: int = 3
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    seed: int = 0
+    timeout: float = 300.0
+    host_memory: str = "cache"  # both cases: like for like
+
+    def check(self) -> None:
+        from polytrain.data.registry import check_data
+        from polytrain.models.registry import resolve_model_factory
+
+        for name in ("batch_size", "warmup", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 2:
+            raise ConfigError(f"--workers must be >= 2 for --suite tp (one rank splits nothing), got {self.workers}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"--optimizer must be adam or sgd for --suite tp, got '{self.optimizer}'")
+        if not self.model.split(":")[0] == "transformer_lm":
+            raise ConfigError(f"--suite tp measures transformer_lm (the plain loop's plan is written for it), got "
+                              f"--model {self.model}")
+        resolve_model_factory(self.model)
+        size = check_data(self.data)
+        if size is not None and size < self.batch_size:
+            raise ConfigError(f"--data {self.data}: {size} training examples, fewer than one batch "
+                              f"({self.batch_size}); use more data or a smaller batch")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TpCase:
+    key: str
+    label: str
+
+
+def cases(cfg: TpBenchConfig) -> list[TpCase]:
+    n = cfg.workers
+    return [TpCase("tp", f"polytrain --strategy tp --tp {n}, {n} workers x 1 thread"),
+            TpCase("plain", f"plain parallelize_module loop, {n} workers x 1 thread")]
+
+
+def describe(cfg: TpBenchConfig) -> str:
+    lines = [f"{cfg.model} on {cfg.data}, global batch {cfg.batch_size} (every tp rank takes all of it), "
+             f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.warmup} warm-up + {cfg.steps} timed steps, {cfg.repeats} "
+             f"interleaved repeat(s), --host-memory {cfg.host_memory}:"]
+    return "\n".join(lines + [f"  {case.key:<6} {case.label}" for case in cases(cfg)])
+
+
+def run_polytrain(cfg: TpBenchConfig, repeat: int, workdir: Path, save_model: Path | None = None) -> dict[str, Any]:
+    from polytrain.api import fit
+
+    metrics = workdir / f"tp-{repeat}.jsonl"
+    total = cfg.warmup + cfg.steps
+    fit(model=cfg.model, data=cfg.data, strategy="tp", workers=str(cfg.workers), tp=cfg.workers,
+        threads_per_worker=1, batch_size=cfg.batch_size, steps=total, optimizer=cfg.optimizer, lr=cfg.lr,
+        seed=cfg.seed, device="cpu", timeout=cfg.timeout, host_memory=cfg.host_memory, log_every=1, eval_every=0,
+        histogram_every=0, progress="off", metrics_file=str(metrics),
+        **({"save_model": str(save_model)} if save_model else {}))
+    records = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "step"}
+    if cfg.warmup not in records or total not in records:
+        raise BenchError(f"polytrain tp: the metrics file {metrics} has no step record {cfg.warmup} or {total}")
+    window = records[total]["time_s"] - records[cfg.warmup]["time_s"]
+    steps = [records[s + 1]["time_s"] - records[s]["time_s"] for s in range(cfg.warmup, total) if s + 1 in records]
+    return {"examples_per_sec": cfg.steps * cfg.batch_size / window, "window_s": window, "step_s": steps,
+            "final_loss": records[total]["loss"]}
+
+
+def plain_command(cfg: TpBenchConfig, result: Path, save_model: Path | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "polytrain.bench.tp_reference", "--workers", str(cfg.workers), "--threads", "1",
+           "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size),
+           "--warmup", str(cfg.warmup), "--steps", str(cfg.steps), "--optimizer", cfg.optimizer,
+           "--lr", str(cfg.lr), "--seed", str(cfg.seed), "--timeout", str(cfg.timeout),
+           "--host-memory", cfg.host_memory, "--result", str(result)]
+    return cmd + (["--save-model", str(save_model)] if save_model else [])
+
+
+def run_case(case: TpCase, cfg: TpBenchConfig, repeat: int, workdir: Path) -> dict[str, Any]:
+    if case.key == "tp":
+        measured = run_polytrain(cfg, repeat, workdir)
+    else:
+        result = workdir / f"plain-{repeat}.json"
+        measured = run_reference(case.label, plain_command(cfg, result), result, cfg)
+    steps = measured.get("step_s") or [measured["window_s"] / cfg.steps]
+    measured["step_examples_per_sec"] = cfg.batch_size / statistics.median(steps)
+    return measured
+
+
+def run_suite(cfg: TpBenchConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    cfg.check()
+    chosen = cases(cfg)
+    order = interleaved(chosen, cfg.repeats)
+    runs: dict[str, list[dict[str, Any]]] = {case.key: [] for case in chosen}
+    with tempfile.TemporaryDirectory(prefix="polytrain-bench-tp-") as tmp:
+        for i, (repeat, case) in enumerate(order, 1):
+            measured = run_case(case, cfg, repeat, Path(tmp))
+            runs[case.key].append(measured)
+            progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {measured['examples_per_sec']:.1f} "
+                     f"examples/s (median step: {measured['step_examples_per_sec']:.1f})")
+    tokens = tokens_per_example(cfg.data, cfg.seed)
+    rows = []
+    for case in chosen:
+        mine = runs[case.key]
+        rate = statistics.median(m["examples_per_sec"] for m in mine)
+        rows.append({"case": case.key, "label": case.label, "examples_per_sec": round(rate, 2),
+                     "tokens_per_sec": round(rate * tokens, 1) if tokens else None,
+                     "runs_examples_per_sec": [round(m["examples_per_sec"], 2) for m in mine],
+                     "step_examples_per_sec": round(statistics.median(m["step_examples_per_sec"] for m in mine), 2),
+                     "runs_step_examples_per_sec": [round(m["step_examples_per_sec"], 2) for m in mine],
+                     "final_loss": round(mine[-1]["final_loss"], 6)})
+    ratios = []
+    for key, label, measure, target in (("tp_vs_plain", "polytrain tp / plain parallelize_module loop",
+                                         "examples_per_sec", TARGET),
+                                        ("tp_vs_plain_median_step", "the same, median step", "step_examples_per_sec",
+                                         None)):
+        paired = [a[measure] / b[measure] for a, b in zip(runs["tp"], runs["plain"])]
+        value = statistics.median(paired)
+        ratios.append({"key": key, "label": label, "measure": measure, "value": round(value, 4),
+                       "min": round(min(paired), 4), "max": round(max(paired), 4),
+                       "per_repeat": [round(v, 4) for v in paired], "target": target,
+                       "met": None if target is None else value >= target})
+    return {"suite": "tp", "config": cfg.to_dict(), "env": environment(), "rows": rows, "ratios": ratios}
+
+
+def _header(doc: dict[str, Any]) -> str:
+    cfg, env = doc["config"], doc["env"]
+    return (f"{cfg['model']} on {cfg['data']}; --tp {cfg['workers']}: {cfg['workers']} workers x 1 thread, global "
+            f"batch {cfg['batch_size']}, {cfg['optimizer']}; median of {cfg['repeats']} interleaved repeat(s) of "
+            f"{cfg['steps']} steps after {cfg['warmup']} warm-up; --host-memory {cfg['host_memory']}; "
+            f"{env['cores']} cores ({env['cpu']}), torch {env['torch']}")
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    lines = [_header(doc), ""]
+    width = max(len(row["label"]) for row in doc["rows"])
+    lines.append(f"{'case':<{width}} {'examples/s':>11} {'tokens/s':>9} {'median step':>12} {'final loss':>11}  runs")
+    for row in doc["rows"]:
+        tokens = f"{row['tokens_per_sec']:.0f}" if row["tokens_per_sec"] else "-"
+        runs = " ".join(f"{r:.1f}" for r in row["runs_examples_per_sec"])
+        lines.append(f"{row['label']:<{width}} {row['examples_per_sec']:>11.1f} {tokens:>9} "
+                     f"{row['step_examples_per_sec']:>12.1f} {row['final_loss']:>11.5f}  {runs}")
+    lines.append("")
+    width = max(len(r["label"]) for r in doc["ratios"])
+    for r in doc["ratios"]:
+        target = "" if r["target"] is None else f"  target >= {r['target']:.2f}: {'met' if r['met'] else 'NOT met'}"
+        lines.append(f"speed {r['label']:<{width}} {r['value']:.3f} ({r['min']:.3f}-{r['max']:.3f}){target}")
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    lines = [_header(doc), "", "| case | examples/s | tokens/s | runs | examples/s by the median step | final loss |",
+             "|---|---:|---:|---|---:|---:|"]
+    for row in doc["rows"]:
+        tokens = f"{row['tokens_per_sec']:.0f}" if row["tokens_per_sec"] else "-"
+        runs = ", ".join(f"{r:.1f}" for r in row["runs_examples_per_sec"])
+        lines.append(f"| {row['label']} | {row['examples_per_sec']:.1f} | {tokens} | {runs} | "
+                     f"{row['step_examples_per_sec']:.1f} | {row['final_loss']:.5f} |")
+    lines += ["", "| speed ratio | median | min-max | per repeat | target |", "|---|---:|---|---|---|"]
+    for r in doc["ratios"]:
+        per_repeat = ", ".join(f"{v:.3f}" for v in r["per_repeat"])
+        target = "" if r["target"] is None else f">= {r['target']:.2f}: {'met' if r['met'] else 'not met'}"
+        lines.append(f"| {r['label']} | {r['value']:.3f} | {r['min']:.3f}-{r['max']:.3f} | {per_repeat} | {target} |")
+    return "\n".join(lines) + "\n"
