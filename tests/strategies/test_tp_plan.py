@@ -51,6 +51,7 @@ def test_a_plan_from_a_toml_file(tmp_path):
     ({"9": "colwise"}, "'9' names no module of the model; module names look like 0, 2"),
     ({"1": "colwise"}, "1 is a ReLU; tensor parallel splits nn.Linear layers only"),
     ({"0": {"style": "colwise", "heads": "n_head"}}, "its parent module has no whole-number attribute 'n_head'"),
+    ({"0": {"style": "colwise", "parts": 3}}, "^plan: 0 has 16 output features, not 3 equal parts"),
 ])
 def test_what_a_plan_refuses(mapping, message):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -77,3 +78,27 @@ def test_polytrain_plan_prints_the_tp_plan_on_the_mesh(capsys):
     assert "rank 5: trainer worker rank 5  [dp 1, pp 0, tp 1]" in shown
     assert "tensor-parallel plan (TransformerLM.tp_plan), over tp 2:" in shown
     assert "blocks.*.attn.qkv: colwise, 3 parts, heads=heads  (4 layer(s))" in shown
+
+
+def test_tp_layouts_and_settings_refused_before_launch():
+    from polytrain.config import make_config
+    from polytrain.distributed.topology import Topology
+    from polytrain.strategies.tensor.config import TensorParallelConfig
+    from polytrain.strategies.tensor.strategy import TensorParallel
+    from polytrain.train.run import layout_of
+
+    layout = TensorParallel.layout(4, TensorParallelConfig(tp=2))
+    assert (layout.axes, layout.slices, layout.processes) == ((("dp", 2), ("tp", 2)), 2, 4)
+    assert TensorParallel.layout(None, TensorParallelConfig(tp=4)).axes == (("dp", 1), ("tp", 4))
+    hybrid = layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2))
+    assert hybrid.axes == (("dp", 2), ("pp", 2), ("tp", 2)) and hybrid.slices == 2
+    with pytest.raises(ConfigError, match=r"^--strategy tp: --workers 3 is not a multiple of --tp 2; pass --workers 2"):
+        TensorParallel.layout(3, TensorParallelConfig(tp=2))
+    with pytest.raises(ConfigError, match=r"^--strategy hybrid: --dp 2 x --pp 2 x --tp 2 = 8 processes, but "
+                                          r"--workers is 4; pass --workers 8"):
+        layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2, workers=4))
+    config = make_config(strategy="tp", workers=2, tp=1, model="transformer_lm", data="text")
+    with pytest.raises(ConfigError, match="^--strategy tp with --tp 1 splits nothing"):
+        TensorParallel.check(layout_of(config), config, None)
+    with pytest.raises(ConfigError, match="^--strategy tp splits layers over --tp processes; it cannot run in one"):
+        TensorParallel(Topology())

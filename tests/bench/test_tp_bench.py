@@ -1,0 +1,19 @@
+"""``polytrain bench --suite tp``'s settings, refused before anything runs (the suite itself is measured, not
+tested: benchmarks/results/cpu-2core-tp-*.json)."""
+
+import pytest
+
+from polytrain.bench.tp import TpBenchConfig, cases, describe
+from polytrain.errors import ConfigError
+
+
+def test_the_cases_and_what_the_suite_refuses():
+    cfg = TpBenchConfig(workers=4)
+    assert [c.key for c in cases(cfg)] == ["tp", "plain"]
+    assert "polytrain --strategy tp --tp 4, 4 workers x 1 thread" in describe(cfg)
+    for settings, message in ((dict(workers=1), "--workers must be >= 2 for --suite tp"),
+                              (dict(model="mlp"), "--suite tp measures transformer_lm"),
+                              (dict(optimizer="lamb"), "--optimizer must be adam or sgd for --suite tp"),
+                              (dict(steps=0), "--steps must be >= 1, got 0")):
+        with pytest.raises(ConfigError, match=message):
+            TpBenchConfig(**settings).check()
