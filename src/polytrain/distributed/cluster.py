@@ -160,8 +160,7 @@ def _mpi(env: MutableMapping[str, str], rank_key: str, size_key: str, local_rank
     if world <= 1:
         return None
     rank = _int(env, rank_key)
-    local_world = _int(env, local_size_key, world if local_rank_key not in env else 0)
-    local_rank = _int(env, local_rank_key, rank if local_world == world else -1)
+    local_world, local_rank = _int(env, local_size_key, 0), _int(env, local_rank_key, -1)
     if local_rank < 0 or local_world <= 0:
         raise ConfigError(f"MPI: {size_key} is set but {local_rank_key}/{local_size_key} are not, so this rank's "
                           "place on its machine is unknown; start the job with Open MPI's mpirun or MPICH's "
