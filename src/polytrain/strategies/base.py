@@ -44,6 +44,7 @@ from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
 from polytrain.models.deferred import materialize_all
 from polytrain.options import section_defaults
+from polytrain.phases import phase
 from polytrain.precision import Amp
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
@@ -159,16 +160,18 @@ class Strategy:
     def train_step(self, batch: Batch, lr: float) -> StepResult:
         """One optimizer step at learning rate ``lr`` on this rank's slice: forward, backward, exchange, update."""
         assert self.model is not None and self.optimizer is not None, "call prepare() first"
-        self._set_lr(lr)
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("update"):
+            self._set_lr(lr)
+            self.optimizer.zero_grad(set_to_none=True)
         recipe = self.recipe
         loss = forward_backward(self.model, batch, recipe.task, self.trainers.axis_size("dp"), recipe.accumulate,
                                 self._grad_sync, self._backward, loss=recipe.loss, amp=self.amp)
-        self.amp.unscale(self.optimizer)  # 16-mixed: the exchanged gradients at their true size, before clipping
-        if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
-        with self.phase("optimizer"):
-            self._optimizer_step(self.optimizer)
+        with phase("update"):
+            self.amp.unscale(self.optimizer)  # 16-mixed: the exchanged gradients at their true size, before clipping
+            if recipe.clip_grad_norm is not None:  # the exchanged gradients: clipped sync equals clipped single
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
+            with self.phase("optimizer"):
+                self._optimizer_step(self.optimizer)
         self.traffic.examples += len(batch)
         return StepResult(loss, len(batch), self._take_wait())
 

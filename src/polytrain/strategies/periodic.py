@@ -39,6 +39,7 @@ from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
+from polytrain.phases import phase
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, register_strategy
 from polytrain.strategies.step import StepResult
 from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
@@ -138,7 +139,7 @@ class LocalSGD(Strategy):
         self._dirty = True
         if self.layout.meets_at(batch.step + 1):
             started = time.perf_counter()
-            with torch.no_grad(), self.phase("sync"):
+            with torch.no_grad(), self.phase("sync"), phase("exchange"):
                 self._meet()
             self._dirty = False
             # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
@@ -235,7 +236,7 @@ class Diloco(LocalSGD):
         exchange, done = self.exchange, batch.step + 1
         assert exchange is not None
         if exchange.busy_after(done):
-            with torch.no_grad(), self.phase("sync"):
+            with torch.no_grad(), self.phase("sync"), phase("exchange"):
                 # the meetings' exchanges, and waiting for the slowest worker (or for an overlapped exchange)
                 result.wait_s += exchange.after_step(done)
             self._dirty = not exchange.all_met(done)

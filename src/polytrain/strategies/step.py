@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import Batch
+from polytrain.phases import phase
 from polytrain.precision import Amp, Precision
 from polytrain.tasks import model_loss_of
 
@@ -92,10 +93,11 @@ def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, a
     global_units = batch.global_units if loss == "task" else _model_global_units(task, batch, replicas)
     for i, (x, y) in enumerate(pieces):
         with grad_sync(model, i == len(pieces) - 1):
-            with amp.autocast():
+            with phase("forward"), amp.autocast():
                 mean, units = micro_loss(model, task, x, y)
                 weighed = mean / loss_divisor(global_units, replicas, units)
-            backward(amp.scale(weighed))
+            with phase("backward"):
+                backward(amp.scale(weighed))
         total += weighed.detach().to(total.device)
     return total
 

@@ -34,6 +34,7 @@ from polytrain.data.batches import Slice
 from polytrain.distributed.shm import SharedMemoryAllReduce, ShmPlan, gather_plan
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
+from polytrain.phases import interval, phase
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
@@ -179,12 +180,13 @@ class SyncDataParallel(Strategy):
             measured = torch.zeros(topo.world_size, 2, device=topo.device)  # float32: MPS has no float64
             measured[topo.rank, 0] = seconds  # every other rank adds zeros: the sum is exact, the same everywhere
             measured[topo.rank, 1] = self._slice
-            if self._exchange is not None:
-                self._exchange.start_sum(measured).wait()
-                self.traffic.shm_all_reduce(measured.numel() * measured.element_size(), topo.world_size)
-            else:
-                topo.all_reduce_sum(measured)
-                self.traffic.all_reduce(measured.numel() * measured.element_size(), topo.world_size)
+            with phase("exchange"):
+                if self._exchange is not None:
+                    self._exchange.start_sum(measured).wait()
+                    self.traffic.shm_all_reduce(measured.numel() * measured.element_size(), topo.world_size)
+                else:
+                    topo.all_reduce_sum(measured)
+                    self.traffic.all_reduce(measured.numel() * measured.element_size(), topo.world_size)
             balancer.update([(t, int(n)) for t, n in measured.tolist()])
         self._step_started, self._compute_end = time.perf_counter(), None
         self._slice = balancer.sizes[topo.rank]
@@ -204,7 +206,9 @@ class SyncDataParallel(Strategy):
             self._compute_end = self._last_bucket_ready
             # from the moment this rank's last gradient bucket was ready until the averaged gradients
             # arrived, the rank was exchanging gradients or waiting for slower ranks, not computing
-            self._waited += time.perf_counter() - self._last_bucket_ready
+            now = time.perf_counter()
+            self._waited += now - self._last_bucket_ready
+            interval("exchange", self._last_bucket_ready, now)  # --profile: backward's end, DDP's exchange
             self._last_bucket_ready = None
 
     def _take_wait(self) -> float:

@@ -46,6 +46,8 @@ from polytrain.train.memory import MemoryMeter
 from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
 from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0
 from polytrain.train.straggler import StragglerInjector
+from polytrain.phases import phase
+from polytrain.train.profile import StepProfiler
 
 
 class Trainer:
@@ -66,6 +68,9 @@ class Trainer:
         self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
         self.stop = stop if stop is not None else StopSignal()
         self.stopping = self.stop.agreement(self.topology.rank, self.topology.world_size, self.topology.timeout)
+        s = self.session  # --profile A-B: a trace and a summary of those steps on every trainer rank
+        self.profiler = StepProfiler(config, self.topology, s.start_step, s.total_steps) \
+            if config.profile.profile else None
 
     def fit(self) -> dict[str, Any]:
         source = self._run_source()
@@ -115,14 +120,18 @@ class Trainer:
                 return self._stopped(step, totals, last_interval_loss, last_eval)
             lr = s.lr_schedule(step)
             tick = time.perf_counter()
-            batch = next(batches)
-            with s.devices.step_context(step), self.memory.step():
-                result = strategy.train_step(batch, lr)
-                with s.devices.phase("loss"):
-                    self.guard.observe(result.loss, step + 1)
+            with self.profiler.step(step + 1) if self.profiler is not None else contextlib.nullcontext():
+                with phase("data"):
+                    batch = next(batches)
+                with s.devices.step_context(step), self.memory.step():
+                    result = strategy.train_step(batch, lr)
+                    with s.devices.phase("loss"):
+                        self.guard.observe(result.loss, step + 1)
             ids.observe(batch)
             done = step + 1
             elapsed = time.perf_counter() - tick
+            if self.profiler is not None:
+                self.profiler.measured(done, elapsed)
             waited = result.wait_s
             elapsed += self.straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
             meter.add(result.examples, elapsed, waited, result.loss)

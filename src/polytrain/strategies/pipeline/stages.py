@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from polytrain.phases import phase
+
 #: what an activation's header can say its dtype is (evaluation sends a header before each tensor)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32)
 _HEADER = 8  # ndim, up to 6 sizes, dtype code
@@ -51,7 +53,7 @@ class StageTiming:
             self.busy += time.perf_counter() - start
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.autocast():
+        with self.autocast(), phase("forward"):
             return self._timed(super().forward_one_chunk, *args, **kwargs)
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
@@ -59,10 +61,12 @@ class StageTiming:
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+        with phase("backward"):
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        with phase("backward"):
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
     def _counted(self, ops: list[dist.P2POp], outgoing: bool) -> list[dist.P2POp]:
         moved = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)

@@ -48,6 +48,7 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred
 from polytrain.options import option, register_section
+from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.strategies.pipeline import plan, split, traced
@@ -321,22 +322,26 @@ class Pipeline(TracedRun, Strategy):
         if self.is_traced and args:  # stage 0's arguments in the traced graph's order (inputs, labels)
             args = traced.root_args(self._traced_info, args[0], labels)
         target = batch.targets if labels is None else labels
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        with phase("wait"):  # --profile: the schedule's time outside its stages' forward and backward
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         wall = time.perf_counter() - start
         busy = sum(stage.busy for stage in self.stage_objects)
         self.traffic.add(sum(s.sent for s in self.stage_objects), sum(s.received for s in self.stage_objects))
         self._busy, self._wall = self._busy + busy, self._wall + wall
         self._busy_total, self._wall_total = self._busy_total + busy, self._wall_total + wall
-        self._sync_tied()
+        with phase("exchange"):
+            self._sync_tied()
         if self.sharded:  # reduce-scattered by FSDP; each parameter gathered once (kept until the last backward)
             moved = (self.replicas - 1) / self.replicas * self._stage_bytes
             self.traffic.add(2 * moved, 2 * moved)
         elif self.replicas > 1:
-            self._average_over_replicas()
-        if self.recipe.clip_grad_norm is not None:
-            self._clip(self.recipe.clip_grad_norm)
-        with self.phase("optimizer"):
-            self._optimizer_step(self.optimizer)
+            with phase("exchange"):
+                self._average_over_replicas()
+        with phase("update"):
+            if self.recipe.clip_grad_norm is not None:
+                self._clip(self.recipe.clip_grad_norm)
+            with self.phase("optimizer"):
+                self._optimizer_step(self.optimizer)
         if 0 in self.mine:  # examples counted once per pipeline
             self.traffic.examples += len(batch)
         loss = torch.stack(losses).sum().detach() if self.num_stages - 1 in self.mine else None

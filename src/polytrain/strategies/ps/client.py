@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from polytrain.distributed.p2p import HEADER_LEN, Channel, float_bits, header
+from polytrain.phases import phase
 from polytrain.errors import CommunicationError
 from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, PULL, PUSH, READ, RECORD_WIDTH, REPLY, STATE,
                                             STATS, TAG_REPLY, TAG_REPLY_DATA, TAG_REQUEST, TAG_REQUEST_DATA, TICKET,
@@ -190,7 +191,8 @@ class ParameterClient:
     def _exchange(self, sends: Sequence = (), recvs: Sequence = ()) -> None:
         self.bytes_sent += sum(t.numel() * t.element_size() for t, _, _ in sends)
         self.bytes_received += sum(t.numel() * t.element_size() for t, _, _ in recvs)
-        self.channel.exchange(sends=sends, recvs=recvs)
+        with phase("exchange"):
+            self.channel.exchange(sends=sends, recvs=recvs)
 
     def _post_request(self, kind: int, clock: int) -> list[torch.Tensor]:
         """Ask every server; the reply headers (what follows them differs by server: read separately)."""
