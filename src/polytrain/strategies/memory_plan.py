@@ -441,6 +441,8 @@ class _Context:
                               "in backward")
         if self.layout.axis("pp") > 1:
             ranks = self._pipeline()
+        elif self.layout.axis("tp") > 1:
+            ranks = self._tensor_parallel()
         elif strategy == "fsdp":
             ranks = self._fsdp()
         elif strategy == "async":
@@ -472,6 +474,19 @@ class _Context:
             self.notes.append(f"--strategy {strategy} is estimated as a data-parallel one: each trainer holds the "
                               "whole model")
         return out
+
+    def _tensor_parallel(self) -> list[RankMemory]:
+        """``tp``: each rank its part of the layers the plan splits (their rows or columns), the rest whole."""
+        from polytrain.strategies.tensor.plan import plan_for
+
+        tp = self.layout.axis("tp")
+        shapes = plan_for(self.model, self.config.tp.tp_plan).local_shapes(self.model, tp)
+        tensors = [replace(t, shape=shapes.get(t.name, t.shape)) for t in self.tensors]
+        found = self.activations()
+        self.notes.append(f"tp: the split layers' weights, gradients and optimizer state 1/{tp} on each rank; "
+                          "activations counted as the whole model's")
+        return [self.rank(rank, f"1/{tp} of the split layers", tensors, found[0] if found else None)
+                for rank in range(self.layout.processes)]
 
     def _async(self) -> list[RankMemory]:
         from polytrain.strategies.ps.partition import PartitionPlan

@@ -155,6 +155,20 @@ class TensorPlan:
                 count += 1
         return count
 
+    def local_shapes(self, model: nn.Module, tp: int) -> dict[str, tuple[int, ...]]:
+        """The shape each split parameter has on one of ``tp`` ranks (a colwise layer's rows, a rowwise layer's
+        weight columns; a rowwise bias stays whole), by name: what a rank holds, for a memory estimate."""
+        out = {}
+        for name, rule, module in self.resolve(model):
+            for key, param in module.named_parameters(recurse=False):
+                shape = list(param.shape)
+                if rule.style == "colwise":
+                    shape[0] //= tp
+                elif key == "weight":
+                    shape[1] //= tp
+                out[f"{name}.{key}"] = tuple(shape)
+        return out
+
     # -- as data -------------------------------------------------------------------------------------
 
     def as_dict(self) -> dict[str, Any]:
