@@ -22,6 +22,16 @@ def test_a_link_rate_that_is_not_one_is_one_line_before_anything_runs(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_rate_given_twice_and_sync_through_shared_memory_are_refused_before_anything_runs(tmp_path, capsys):
+    assert main(["compare", "--link", "1gbit", "--link", "1000mbit", "--out", str(tmp_path), "--no-plot"]) == 2
+    assert capsys.readouterr().err == "polytrain: error: --link: a rate is given twice in '1gbit,1000mbit'\n"
+    assert main(["compare", "--strategies", "sync:comm=shm", "--link", "1gbit", "--out", str(tmp_path),
+                 "--no-plot"]) == 2
+    assert capsys.readouterr().err == ("polytrain: error: case sync:comm=shm @1gbit: comm=shm bypasses the emulated "
+                                       "network (its namespaces share /dev/shm); drop it, or use comm=backend\n")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow  # two torchrun jobs of 2 nodes each
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_compare_on_the_link_adds_its_rate_busy_time_and_use_and_leaves_no_namespace(tmp_path, capsys):

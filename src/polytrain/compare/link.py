@@ -39,8 +39,9 @@ def parse_links(text: str | list[str] | None) -> list[int]:
     return rates
 
 
-def link_settings(settings: dict[str, Any], label: str) -> dict[str, Any]:
-    """``settings`` of a case on the link: a strategy's shared-memory shortcut switched to the process group."""
+def link_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` of a case on the link: a strategy's shared-memory shortcut switched to the process group
+    (the caller names the case in an error)."""
     from polytrain.config import all_options
     from polytrain.strategies import get_strategy
 
@@ -51,7 +52,7 @@ def link_settings(settings: dict[str, Any], label: str) -> dict[str, Any]:
         if key not in keys:
             continue
         if str(out.get(key, "")).lower() in refused:
-            raise ConfigError(f"case {label}: {key}={out[key]} bypasses the emulated network (its namespaces share "
+            raise ConfigError(f"{key}={out[key]} bypasses the emulated network (its namespaces share "
                               f"/dev/shm); drop it, or use {key}={value}")
         out[key] = value
     return out

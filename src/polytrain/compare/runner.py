@@ -120,7 +120,7 @@ def case_settings(cfg: CompareConfig, case: Case) -> dict[str, Any]:
     settings = cfg.settings(case.spec, case.stragglers)
     if case.link:
         from polytrain.compare.link import link_settings
-        settings = link_settings(settings, case.label)
+        settings = link_settings(settings)
     return settings
 
 

@@ -15,10 +15,9 @@ from typing import Any
 from polytrain.errors import ConfigError
 
 #: the default line-up; a name that is not registered in this install is skipped with a note (not an error,
-#: unless the user names it). diloco's outer momentum is 0.5, not the paper's 0.9: with the default inner SGD
-#: momentum 0.9 the two compound, and on digits_cnn 0.9 ends at 0.86 test accuracy in 240 steps and diverges
-#: in 480, where 0.5 reaches 0.99 (docs/async.md)
-DEFAULT_STRATEGIES = "sync,async,local-sgd:sync_every=8,diloco:sync_every=8:outer_momentum=0.5"
+#: unless the user names it). diloco runs with its own defaults, which choose the outer momentum from the inner
+#: optimizer (0.5 over the default SGD momentum 0.9: strategies/periodic.py, default_outer_momentum)
+DEFAULT_STRATEGIES = "sync,async,local-sgd:sync_every=8,diloco:sync_every=8"
 
 
 @dataclass(frozen=True)
