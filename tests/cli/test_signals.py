@@ -213,3 +213,21 @@ def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == (1 if fail else 0), err
     assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
+
+
+def test_a_frozen_worker_ends_the_command_with_a_hang_report_and_no_process_left(cli_env, tmp_path):
+    """A worker frozen after step 5 (SIGSTOP: a machine that stopped answering): the others name it and where it
+    was, the report lands in the run directory (here the metrics file's), and when the command returns nothing
+    of the job runs, its forkserver and resource tracker included."""
+    env = dict(cli_env, POLYTRAIN_INJECT_KILL="rank=1,steps=5,signal=SIGSTOP")
+    metrics = tmp_path / "run" / "m.jsonl"
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--steps", "40", "--heartbeat-timeout", "2.5",
+                   "--metrics-file", str(metrics)], env)
+    _wait_for_step(proc, metrics, 1)
+    tree = descendants(proc.pid)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
+    assert f"hang report in {tmp_path / 'run' / 'hang-report.txt'}" in err, err
+    report = (tmp_path / "run" / "hang-report.txt").read_text()
+    assert "hang report (rank 0" in report and "behind: rank 1 (host " in report, report
