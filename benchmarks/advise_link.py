@@ -1,11 +1,12 @@
 """polytrain advise checked against the emulated network: its predicted examples/s for every strategy, and its
 top pick, against what the same strategies measure on links of 1 Gbit/s, 100 Mbit/s and 20 Mbit/s.
 
-1. advise's measurement: every strategy once on loopback (2 workers, compare's runner), read into profiles
-   (or --profiles FILE from an earlier run);
-2. every strategy again on the emulated network at each rate (2 workers, a node per process, async's server
-   on a node of its own), the same settings; measured examples/s is compare's end-to-end number and the time
-   to the target the first evaluation reaching it;
+1. advise's measurement: each strategy once on loopback (2 workers, compare's runner), read into a profile
+   (or taken from --profiles FILE, an earlier run's profiles.json);
+2. right after it, the same strategy on the emulated network at each rate (2 workers, a node per process,
+   async's server on a node of its own), the same settings, so that a shared machine's drifting load hits a
+   strategy's measurement and its runs alike; measured examples/s is compare's end-to-end number, the time to
+   the target the first evaluation reaching it;
 3. per rate: predicted / measured examples/s for every strategy, advise's top pick against the measured
    fastest to the target. Needs root.
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab_runs import run_on_link  # noqa: E402
+from netlab_runs import read_back, run_on_link  # noqa: E402
 
 import polytrain.components  # noqa: E402,F401
 from polytrain.advise import measure as advise_measure  # noqa: E402
@@ -37,40 +38,52 @@ def main() -> int:
     parser.add_argument("--target-accuracy", type=float, default=0.9)
     parser.add_argument("--profiles", help="advise.json (or this script's JSON) to take the profiles from")
     parser.add_argument("--workdir", default="/tmp/advise-link")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take link runs whose metrics are already in --workdir instead of running them again")
     parser.add_argument("--json", help="write the results here (and a .md beside it)")
     args = parser.parse_args()
     cfg = CompareConfig(workers=2, steps=args.steps, eval_every=20, log_every=10,
                         target_accuracy=args.target_accuracy)
     specs = advise_measure.parse(args.strategies)
     work = Path(args.workdir)
-    if args.profiles:
-        profiles, _ = advise_measure.load(Path(args.profiles))
-    else:
-        profiles = advise_measure.measure(cfg, specs, work / "loopback", progress=lambda m: print(m, flush=True))
+    rates = args.rates.split(",")
+    saved = {p.strategy: p for p in advise_measure.load(Path(args.profiles))[0]} if args.profiles else {}
+    profiles, runs = [], {}
+    for spec in specs:  # each strategy's loopback run next to its link runs: the machine's load drifts alike
+        if spec.text in saved:
+            profiles.append(saved[spec.text])
+        else:
+            profiles += advise_measure.measure(cfg, [spec], work / "loopback", progress=lambda m: print(m, flush=True))
+        settings = cfg.settings(advise_measure.for_measuring(spec), [])
+        for rate in rates:
+            label = f"{spec.text}-{rate}"
+            runs[spec.text, rate] = (args.reuse and read_back(label, rate, work / rate)) or \
+                run_on_link(label, settings, rate, work / rate)
+            print(f"  {rate}: {runs[spec.text, rate].examples_per_s:.0f} examples/s", flush=True)
+    advise_measure.save(profiles, work / "profiles.json", {"steps": args.steps})
     by_name = {p.strategy: p for p in profiles}
     results = {"command": " ".join(sys.argv), "steps": args.steps, "target_accuracy": args.target_accuracy,
                "profiles": [p.__dict__ for p in profiles], "rates": []}
-    for rate in args.rates.split(","):
-        scenario = Scenario(2, parse_rate(rate))
-        ranked = rank([predict(by_name[s.text], scenario) for s in specs])
+    for rate in rates:
+        ranked = rank([predict(by_name[s.text], Scenario(2, parse_rate(rate))) for s in specs])
         rows = []
         for spec in specs:
-            settings = cfg.settings(advise_measure.for_measuring(spec), [])
-            run = run_on_link(f"{spec.text}-{rate}", settings, rate, work / rate)
+            run = runs[spec.text, rate]
             predicted = next(p for p in ranked if p.strategy == spec.text)
             rows.append({"strategy": spec.text, "predicted_examples_per_s": round(predicted.examples_per_s, 1),
                          "measured_examples_per_s": round(run.examples_per_s, 1),
                          "error": round(predicted.examples_per_s / run.examples_per_s - 1, 3),
+                         "measured_median_examples_per_s": round(run.median_examples_per_s, 1),
+                         "error_median": round(predicted.examples_per_s / run.median_examples_per_s - 1, 3),
                          "predicted_time_to_target_s": predicted.time_to_target_s,
                          "measured_time_to_target_s": run.time_to(args.target_accuracy),
                          "accuracy": run.accuracy})
-            print(f"{rate} {rows[-1]}", flush=True)
         reached = [r for r in rows if r["measured_time_to_target_s"] is not None]
         fastest = min(reached, key=lambda r: r["measured_time_to_target_s"])["strategy"] if reached else None
         results["rates"].append({"rate": rate, "rows": rows, "advise_pick": ranked[0].strategy,
                                  "measured_fastest": fastest,
-                                 "worst_error": max(abs(r["error"]) for r in rows)})
-        print(f"{rate}: advise picks {ranked[0].strategy}, measured fastest {fastest}", flush=True)
+                                 "worst_error": max(abs(r["error"]) for r in rows),
+                                 "worst_error_median": max(abs(r["error_median"]) for r in rows)})
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -85,12 +98,14 @@ def markdown(results: dict) -> str:
     for block in results["rates"]:
         lines += [f"### {block['rate']}: advise picks `{block['advise_pick']}`, measured fastest to accuracy "
                   f"{results['target_accuracy']:g}: `{block['measured_fastest']}`", "",
-                  "| strategy | predicted examples/s | measured | predicted / measured | predicted time to target (s) "
-                  "| measured (s) | final accuracy |", "|---|---|---|---|---|---|---|"]
+                  "| strategy | predicted examples/s | measured (end to end) | predicted / measured | measured "
+                  "(median interval) | predicted / measured | predicted time to target (s) | measured (s) | final "
+                  "accuracy |", "|---|---|---|---|---|---|---|---|---|"]
         for r in block["rows"]:
             p, m = r["predicted_time_to_target_s"], r["measured_time_to_target_s"]
             lines.append(f"| {r['strategy']} | {r['predicted_examples_per_s']:,.0f} | {r['measured_examples_per_s']:,.0f} "
-                         f"| {1 + r['error']:.2f} | {'-' if p is None else f'{p:.2f}'} | "
+                         f"| {1 + r['error']:.2f} | {r['measured_median_examples_per_s']:,.0f} | "
+                         f"{1 + r['error_median']:.2f} | {'-' if p is None else f'{p:.2f}'} | "
                          f"{'-' if m is None else f'{m:.2f}'} | {r['accuracy']:.4f} |")
         lines.append("")
     return "\n".join(lines)

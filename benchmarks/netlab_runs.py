@@ -32,6 +32,13 @@ class LinkRun:
         last = [r for r in self.records if r["event"] == "step"][-1]
         return last["step"] * self.end["global_batch"] / last["time_s"]
 
+    @property
+    def median_examples_per_s(self) -> float:
+        """Examples/s of the median log interval (an evaluation's interval, or a burst of load, left out)."""
+        steps = [r for r in self.records if r["event"] == "step"]
+        per_step = sorted((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:]))
+        return self.end["global_batch"] / per_step[len(per_step) // 2]
+
     def time_to(self, accuracy: float) -> float | None:
         time_at = {r["step"]: r["time_s"] for r in self.records if r["event"] == "step"}
         for r in self.records:
@@ -55,7 +62,7 @@ def run_on_link(label: str, settings: dict[str, Any], rate: str | int, workdir: 
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
     metrics = (workdir / f"{stem}.jsonl").resolve()
     metrics.unlink(missing_ok=True)
-    config = make_config(**settings, metrics_file=str(metrics), progress="off")
+    config = make_config(**{**settings, "metrics_file": str(metrics), "progress": "off"})
     processes = check(config).processes
     path = workdir / f"{stem}.toml"
     path.write_text(to_toml(config, comment=label))
@@ -68,6 +75,18 @@ def run_on_link(label: str, settings: dict[str, Any], rate: str | int, workdir: 
                            + "\n".join(job.log(0).splitlines()[-5:]))
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return LinkRun(label, rate_bits or 0, records, job.tx_bytes, job.wall_s)
+
+
+def read_back(label: str, rate: str, workdir: Path) -> LinkRun | None:
+    """An earlier run's metrics (its summary written), or None."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+    path = workdir / f"{stem}.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not any(r["event"] == "end" for r in records):
+        return None
+    return LinkRun(label, 0, records, [], 0.0)
 
 
 def describe_rate(rate: str | int) -> str:
