@@ -31,6 +31,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import build_deferred
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
+from polytrain.models.replay import build_parts
 from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy, get_strategy
@@ -190,7 +191,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
                                num_classes=data.num_outputs)
 
         # on the meta device where the model can be materialised unit by unit: the strategy makes what it keeps
-        model = build_deferred(build, config.train.seed) or build()
+        model = build_deferred(build, config.train.seed) or (  # replay: a pipeline makes only its stages
+            build_parts(build) if getattr(strategy, "builds_part", False) else None) or build()
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)

@@ -46,6 +46,7 @@ from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
+from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
 from polytrain.options import option, register_section
 from polytrain.phases import phase
@@ -92,6 +93,7 @@ class Pipeline(TracedRun, Strategy):
     name = "pipeline"
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
+    builds_part = True  # a model from any factory comes on the meta device (models/replay.py: _replay)
     also_reads = ("tp",)  # --tp, --tp-plan: a tp axis of T ranks per stage (polytrain.strategies.tensor.axis)
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
@@ -150,8 +152,8 @@ class Pipeline(TracedRun, Strategy):
         return model  # a deferred model: only this rank's stages are made (_cut); a whole one as it is
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if is_deferred(model):
-            return model  # on the meta device until this rank's stages are known
+        if is_deferred(model) or replay.recipe(model) is not None:
+            return model  # on the meta device until this rank's stages are known (_replay: made by the tracer's cut)
         if self.topology.is_main:
             get_logger().warning(describe_whole_build(model, type(model).__name__))
         return model.to(self.topology.device)
@@ -179,6 +181,7 @@ class Pipeline(TracedRun, Strategy):
         self.schedule = None
         #: a deferred model's unit maker (None: the model was built whole); the state loaded before the cut
         self._maker = UnitMaker(self.model, self.topology.device) if is_deferred(self.model) else None
+        self._replay = self._replay_recipe()  # a model from any factory, on meta: each rank makes its stages
         self._loaded: dict[str, Any] | None = None
         starts = split.parse_split(opts.split_at)
         if self._maker is not None and starts is not None and not must_trace(self.model, starts, self.recipe.loss):
@@ -274,7 +277,7 @@ class Pipeline(TracedRun, Strategy):
         """Rank 0: the split (measured for ``auto``), after checking that the forward is the units in order.
         A deferred model's units not yet made are made one at a time for it, and returned to meta after.
         A model that is not such a chain is cut by the tracer (:mod:`.traced_run` says when)."""
-        if not must_trace(self.model, split.parse_split(self.options.split_at), self.recipe.loss):
+        if self._replay is None and not must_trace(self.model, split.parse_split(self.options.split_at), self.recipe.loss):
             resident = self._maker.resident if self._maker is not None else None
             try:
                 chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
@@ -434,9 +437,9 @@ class Pipeline(TracedRun, Strategy):
         if self.split is None:  # not cut yet: a whole model is the same on every rank; a deferred one is unmade
             if not self.trainers.is_main:
                 return None
-            if self._maker is None:
+            if self._maker is None and self._replay is None:
                 return self.model.state_dict()
-            return dict(self._loaded["model"]) if self._loaded is not None else self._maker.initial_state()
+            return dict(self._loaded["model"]) if self._loaded is not None else self._initial_state()
         whole = self.model.state_dict()
         mine = {k: _full(v).detach().cpu() for k, v in whole.items() if self._mine(k)}  # (sharded: collective)
         parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
@@ -450,7 +453,7 @@ class Pipeline(TracedRun, Strategy):
         """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
         not cut yet, which holds no state of its own."""
         assert self.optimizer is not None
-        if self.split is None and self._maker is not None and self._loaded is not None:
+        if self.split is None and (self._maker is not None or self._replay is not None) and self._loaded is not None:
             return self._loaded["optimizer"]
         state = self.optimizer.state_dict()
         if not self.sharded and self.tp == 1:  # (tp: each split tensor's state gathered whole)
@@ -477,7 +480,7 @@ class Pipeline(TracedRun, Strategy):
         optimizer state; a deferred model not cut yet keeps the state until its stages are made."""
         if self.split is not None:
             self._load_own(state)
-        elif self._maker is not None:
+        elif self._maker is not None or self._replay is not None:
             self._loaded = state
         else:
             super().load_state_dict(state)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.distributed.pipelining.stage import _PipelineStage
+from torch.utils._pytree import tree_map
 
 from polytrain.errors import ConfigError
 from polytrain.strategies.pipeline import split
@@ -134,7 +135,7 @@ class TracedSplit:
     stage the layers (or top-level modules) it holds, its parameters and its measured forward ms."""
 
     starts: tuple[str, ...]
-    how: str  # "measured" or "--split-at"
+    how: str  # "measured", "parameters" (auto on a model on the meta device) or "--split-at"
     stage_names: tuple[tuple[str, ...], ...] = ()
     stage_params: tuple[int, ...] = ()
     stage_ms: tuple[float, ...] = ()
@@ -144,7 +145,8 @@ class TracedSplit:
 
     def describe(self, stage_rank: list[int]) -> str:
         timed = self.how == "measured"
-        what = "forward ms measured on one micro-batch" if timed else "not timed"
+        what = {"measured": "forward ms measured on one micro-batch",
+                "parameters": "balanced by parameters: the model was built on the meta device"}.get(self.how, "not timed")
         lines = [f"pipeline split (traced, {self.how}; {what}; stages start at {', '.join(self.starts)}):"]
         for stage, names in enumerate(self.stage_names):
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
@@ -161,10 +163,44 @@ def choose(model: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], stage
         check_starts(model, starts, stages)
         return TracedSplit(tuple(starts), "--split-at")
     check_auto(model, stages)
+    if any(p.is_meta for p in model.parameters()):  # nothing to time: balanced by parameters instead
+        items, costs = layer_parameters(model)
+        cuts = split.balanced_cuts([float(c) for c in costs], stages)
+        return TracedSplit(tuple(items[c] for c in cuts), "parameters")
     items, ms = measure_layers(model, inputs, kwargs)
     cuts = split.balanced_cuts(ms, stages)
     per = [sum(ms[i] for i in g) for g in split.groups(cuts, len(items))]
     return TracedSplit(tuple(items[c] for c in cuts), "measured", stage_ms=tuple(per))
+
+
+def layer_parameters(model: nn.Module) -> tuple[list[str], list[int]]:
+    """The layers' names and parameters, with the parameters outside them counted on the first layer (those
+    before it in the model's order) or the last (those after it)."""
+    _, items = layers(model)
+    counts = [0] * len(items)
+    seen_layer = False
+    for name, param in model.named_parameters():
+        index = next((i for i, item in enumerate(items) if name.startswith(item + ".")), None)
+        if index is not None:
+            seen_layer = True
+        counts[index if index is not None else (-1 if seen_layer else 0)] += param.numel()
+    return items, counts
+
+
+def retarget(pipe: Any, device: torch.device) -> None:
+    """A pipe traced on the meta device made to run on ``device``: every device its graphs name (a tensor
+    made inside the forward, a checked or converted one) becomes ``device``."""
+    def fix(value: Any) -> Any:
+        return torch.device(device) if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for stage in range(pipe.num_stages):
+        for module in pipe.get_stage_module(stage).modules():  # the stage's graph and those it calls
+            graph = getattr(module, "graph", None)
+            if isinstance(graph, torch.fx.Graph):
+                for node in graph.nodes:
+                    node.args, node.kwargs = tree_map(fix, node.args), tree_map(fix, node.kwargs)
+                if isinstance(module, torch.fx.GraphModule):  # (an InterpreterModule runs its graph as it is)
+                    module.recompile()
 
 
 def trace(model: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], chosen: TracedSplit,

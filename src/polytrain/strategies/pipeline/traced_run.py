@@ -10,6 +10,7 @@ construction (an ``nn.Sequential``, or a class with ``init_unit``) and its forwa
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from polytrain.errors import ConfigError
+from polytrain.log import get_logger
+from polytrain.models import replay
+from polytrain.models.deferred import describe_whole_build
 from polytrain.strategies.pipeline import split, traced
 from polytrain.strategies.step import _model_global_units, loss_divisor
 
@@ -42,6 +46,40 @@ class TracedRun:
     _owned_set: set[str] | None = None
     _ties: list[tuple[nn.Parameter, torch.Size, bool, list[str]]] = []
     _traced_batch = 0
+    _replay: Any = None  # how to build any part of a model given on the meta device (polytrain.models.replay)
+
+    def _replay_recipe(self) -> Any:
+        """The model's :func:`~polytrain.models.replay.recipe`, if it names the model's tensors as they are;
+        a model changed since it was mapped (a unit option's wrapper) is made whole instead, with a warning."""
+        found = replay.recipe(self.model)
+        if found is None:
+            return None
+        names = {n for n, _ in [*self.model.named_parameters(remove_duplicate=False),
+                                *self.model.named_buffers(remove_duplicate=False)]}
+        if names == set(found[1]):
+            return found
+        if self.topology.is_main:
+            get_logger().warning(describe_whole_build(self.model, type(self.model).__name__))
+        self._make(found, lambda name: True)
+        return None
+
+    def _make(self, found: Any, keep: Any, names: set[str] | None = None) -> None:
+        """The tensors ``keep`` accepts made with ``single``'s values (a part build), on this rank's device."""
+        build, calls, state = found
+        part = replay.build_part(build, calls, state, keep)
+        device = self.topology.device
+        if torch.device(device).type != "cpu":
+            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                if not tensor.is_meta:
+                    tensor.data = tensor.data.to(device)
+        replay.fill(self.model, part, names)
+
+    def _initial_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state as ``single`` starts, on the CPU (a state asked for before the cut)."""
+        if self._replay is None:
+            return self._maker.initial_state()
+        build, calls, state = self._replay
+        return {k: v.detach().cpu() for k, v in replay.build_part(build, calls, state, lambda n: True).state_dict().items()}
 
     @property
     def is_traced(self) -> bool:
@@ -55,10 +93,26 @@ class TracedRun:
         if self.info.chunks != 1:
             raise ConfigError(f"--schedule {self.options.schedule} runs several stages per rank, which only a "
                               "model that is a chain of units can have; use gpipe or 1f1b")
+        sample, labels = self._trace_sample(sample, labels)
         kwargs = self._trace_kwargs(labels)
         chosen = traced.choose(self.model, sample, kwargs, self.num_stages, split.parse_split(self.options.split_at))
-        self._pipe = traced.trace(self.model, sample, kwargs, chosen, self.recipe.loss, self._spec())
+        self._pipe = self._trace(chosen, sample, labels)
         return chosen
+
+    def _trace_sample(self, sample: torch.Tensor, labels: torch.Tensor | None) -> tuple[Any, Any]:
+        """The micro-batch the tracer runs: on the meta device for a model there (nothing made yet)."""
+        if self._replay is None:
+            return sample, labels
+        return sample.to("meta"), (labels.to("meta") if labels is not None else None)
+
+    def _trace(self, chosen: traced.TracedSplit, sample: torch.Tensor, labels: torch.Tensor | None) -> Any:
+        # a model on the meta device is traced as a copy (nothing to copy but shapes): the tracer leaves weak
+        # references on what it traces, and the model's own Parameter objects take their contents later
+        model = copy.deepcopy(self.model) if self._replay is not None else self.model
+        pipe = traced.trace(model, sample, self._trace_kwargs(labels), chosen, self.recipe.loss, self._spec())
+        if self._replay is not None:
+            traced.retarget(pipe, self.topology.device)
+        return pipe
 
     def _spec(self) -> str:
         return type(self.model).__name__
@@ -69,8 +123,8 @@ class TracedRun:
         if getattr(self, "sharded", False):
             raise ConfigError("--shard-dp shards the stages of a model that is a chain of units; this model is "
                               "split by the tracer: drop --shard-dp")
-        pipe = self._pipe or traced.trace(self.model, sample, self._trace_kwargs(labels), chosen,
-                                          self.recipe.loss, self._spec())
+        sample, labels = self._trace_sample(sample, labels)
+        pipe = self._pipe or self._trace(chosen, sample, labels)
         self._pipe = None
         self.split = traced.described(pipe, chosen, self.model)
         self._traced_info, self._traced_batch = pipe.info(), len(sample)
@@ -83,6 +137,8 @@ class TracedRun:
                 traced.adopt(module, self.model)
                 self.modules[stage] = module
         self._owned_set = set().union(*(names[s] for s in self.mine))
+        if self._replay is not None:  # this rank's stages made now, with single's values; nothing else
+            self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
         keep = {id(t) for s in self.mine for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]}
         self.owned = [p for p in self.model.parameters() if id(p) in keep]
         self._ties = []
@@ -93,12 +149,16 @@ class TracedRun:
                 first = self._owner(holders[0]) == self.me
                 self._ties.append((param, param.shape, first, group))
         self._empty_others(pipe, keep)
+        if self._loaded is not None:  # a checkpoint loaded before the cut
+            loaded, self._loaded = self._loaded, None
+            self._load_own(loaded)
 
     def _empty_others(self, pipe: Any, keep: set[int]) -> None:
         """Every tensor this rank does not train holds 0 bytes: the model's (Parameter objects kept, their
         optimizer state dropped) and the tracer's copies in the other stages."""
         device = self.topology.device
         tensors = [*self.model.parameters(), *self.model.buffers()]
+        own = {id(t) for t in tensors}
         for stage in range(self.num_stages):
             if stage not in self.mine:
                 module = pipe.get_stage_module(stage)
@@ -110,7 +170,13 @@ class TracedRun:
             seen.add(id(tensor))
             if self.optimizer is not None and isinstance(tensor, nn.Parameter):
                 self.optimizer.state.pop(tensor, None)
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
+            empty = torch.empty(0, dtype=tensor.dtype, device=device)
+            if tensor.is_meta and id(tensor) not in own:
+                continue  # the tracer's copy of a model on the meta device: holds nothing
+            if tensor.is_meta and isinstance(tensor, nn.Parameter):  # Parameter object kept (the optimizer's)
+                torch.utils.swap_tensors(tensor, nn.Parameter(empty, requires_grad=tensor.requires_grad))
+            elif not tensor.is_meta:
+                tensor.data = empty
 
     def _traced_stage(self, stage: int, group: Any) -> Any:
         return traced.TimedTracedStage(self.modules[stage], stage, self._traced_info, self.topology.device,
