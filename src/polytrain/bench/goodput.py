@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from polytrain.bench.measure import BenchError
 from polytrain.errors import ConfigError
 
 SIDES = ("undisturbed", "max-restarts", "continue")
@@ -186,8 +187,11 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
     due = [started + (k + 1) * cfg.failure_every for k in range(cfg.kills)] if side != "undisturbed" else []
     end = started + cfg.duration
     ended_early = None
+    samples: list[tuple[float, int]] = []  # (seconds since the start, progress) twice a second
     try:
         while time.monotonic() < end:
+            if not samples or time.monotonic() - started - samples[-1][0] >= 0.5:
+                samples.append((round(time.monotonic() - started, 2), last_step(metrics)))
             if proc.poll() is not None:
                 ended_early = proc.returncode
                 break
@@ -218,13 +222,16 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
         log.close()
     if ended_early is not None:
         tail = "\n".join((workdir / f"{side}.log").read_text().strip().splitlines()[-15:])
-        raise RuntimeError(f"the {side} job ended by itself after {wall:.0f} s (exit code {ended_early}):\n{tail}")
+        raise BenchError(f"the {side} job ended by itself after {wall:.0f} s (exit code {ended_early}):\n{tail}")
     events = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "step"' not in line]
+    for kill in kills:  # what the failure cost: from the kill until the job is back at the step it had reached
+        back = next((t for t, step in samples if t > kill["at_s"] and step > kill["step"]), None)
+        kill["back_after_s"] = None if back is None else round(back - kill["at_s"], 2)
     return {"side": side, "wall_s": round(wall, 2), "useful_steps": useful,
             "useful_steps_per_s": round(useful / wall, 3), "kills": kills,
             "restarts": sum(1 for e in events if e.get("event") == "restart"),
             "exit_code": proc.returncode, "load_1min_before": round(load_before, 2),
-            "load_1min_after": round(os.getloadavg()[0], 2)}
+            "load_1min_after": round(os.getloadavg()[0], 2), "progress": samples[::10]}
 
 
 class _suppress:
@@ -282,7 +289,8 @@ def format_text(doc: dict[str, Any]) -> str:
 
 
 def format_markdown(doc: dict[str, Any]) -> str:
-    kills = "\n".join(f"- {r['side']}: " + ", ".join(f"rank {k['rank']} at {k['at_s']:.0f} s (step {k['step']})"
-                                                     for k in r["kills"])
-                      for r in doc["results"] if r["kills"])
-    return f"{format_text(doc)}\n\nkills:\n\n{kills}\n"
+    kills = "\n".join(f"- {r['side']}: " + ", ".join(
+        f"rank {k['rank']} at {k['at_s']:.0f} s (step {k['step']}, back there after "
+        + ("-" if k.get("back_after_s") is None else f"{k['back_after_s']:.1f} s") + ")" for k in r["kills"])
+        for r in doc["results"] if r["kills"])
+    return f"{format_text(doc)}\n\nkills (and how long until the job was back at the step it had reached):\n\n{kills}\n"
