@@ -91,3 +91,47 @@ def test_compressed_node_lists_and_task_counts():
         expand_nodelist("gpu[01-03")
     with pytest.raises(ConfigError, match="is not in Slurm's form"):
         tasks_per_node("2x3")
+
+
+def test_what_a_scheduler_leaves_unsaid_is_one_line():
+    with pytest.raises(ConfigError, match=r"^srun: SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are empty, so the first "
+                                          r"node is unknown; set MASTER_ADDR to the host of task 0$"):
+        placement_from(dict(SRUN_TASK_1, SLURM_STEP_NUM_NODES="2", SLURM_STEP_NODELIST="", SLURM_JOB_NODELIST=""))
+    with pytest.raises(ConfigError, match=r"^OMPI_COMM_WORLD_RANK is not set: this process was started by a "
+                                          r"scheduler that did not say where it belongs"):
+        placement_from({k: v for k, v in OMPI_RANK_1.items() if k != "OMPI_COMM_WORLD_RANK"})
+    with pytest.raises(ConfigError, match=r"^node list 'gpu\[a-b\]': 'a-b' is not a number or a range like 01-04$"):
+        expand_nodelist("gpu[a-b]")
+
+
+def test_rank_0_that_cannot_host_the_rendezvous_says_what_to_set(monkeypatch):
+    from datetime import timedelta
+
+    from polytrain.distributed.torchrun import scheduler_store
+
+    assert scheduler_store(1, timedelta(seconds=5)) is None  # only rank 0 hosts it
+    monkeypatch.setenv("MASTER_PORT", "0")
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(ConfigError, match=r"^rank 0 cannot find the rendezvous host no-such-host\.invalid: .*; set "
+                                          r"MASTER_ADDR to the host of rank 0$"):
+        scheduler_store(0, timedelta(seconds=5))
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: an address this machine does not have
+    with pytest.raises(ConfigError, match=r"^rank 0 cannot host the rendezvous at 192\.0\.2\.1:0 \(cannot listen on "
+                                          r"192\.0\.2\.1:0: .*\); set MASTER_PORT to a free port, and MASTER_ADDR to "
+                                          r"the host rank 0 runs on$"):
+        scheduler_store(0, timedelta(seconds=5))
+
+
+def test_max_restarts_that_the_scheduler_cannot_give_is_refused_before_training(monkeypatch):
+    from polytrain.train.requeue import check_scheduler_restarts
+
+    monkeypatch.setenv("POLYTRAIN_CLUSTER", "mpi")
+    check_scheduler_restarts(0)
+    with pytest.raises(ConfigError, match=r"^--max-restarts 2: nothing restarts the ranks of an mpirun job; leave "
+                                          r"--max-restarts out and run the same command again with --resume"):
+        check_scheduler_restarts(2)
+    monkeypatch.setenv("POLYTRAIN_CLUSTER", "slurm")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ConfigError, match=r"^--max-restarts 1 under srun needs scontrol on PATH and SLURM_JOB_ID: a "
+                                          r"restart is Slurm requeueing the job$"):
+        check_scheduler_restarts(1)

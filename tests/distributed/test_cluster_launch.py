@@ -81,3 +81,23 @@ def test_mpirun_ranks_train_the_local_launchers_model(launcher_cli_env, referenc
     assert "strategy sync: 2 processes (2 on this machine" in proc.stdout
     assert proc.stdout.count("done: 16 steps") == 1
     assert_same_model(tmp_path / "m.pt", reference)
+
+
+def test_max_restarts_under_srun_needs_a_requeueable_batch_job(slurm, monkeypatch):
+    """Checked in the task before training: Slurm requeues only batch jobs (srun alone makes an interactive one)."""
+    from polytrain.errors import ConfigError
+    from polytrain.train.requeue import check_scheduler_restarts
+
+    slurm.run("srun", "-n", "1", "true")  # an interactive job, as `srun polytrain train` outside sbatch makes
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("POLYTRAIN_CLUSTER", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "999999")
+    with pytest.raises(ConfigError, match=r"^scontrol show job --oneliner 999999 failed: .*Invalid job id"):
+        check_scheduler_restarts(1)
+    srun_jobs = [line.split()[0] for line in slurm.run("squeue", "-h", "-t", "all", "-o", "%i %j").stdout.splitlines()
+                 if line.split()[1] == "true"]
+    monkeypatch.setenv("SLURM_JOB_ID", srun_jobs[0])
+    with pytest.raises(ConfigError, match=rf"^--max-restarts 1 under srun: Slurm requeues only a batch job that allows "
+                                          rf"it, and job {srun_jobs[0]} is not a batch job; submit it with sbatch "
+                                          r"--requeue \(see docs/clusters\.md\), or leave --max-restarts out$"):
+        check_scheduler_restarts(1)
