@@ -144,3 +144,12 @@ def test_bad_tracker_values_are_one_line_before_anything_starts(monkeypatch):
     with pytest.raises(ConfigError, match=r"^--tracker: mlflow needs its client library, which is not installed: "
                                           r"pip install 'polytrain\[mlflow\]'$"):
         make_config(tracker=["mlflow:sqlite:///x.db"])
+
+
+def test_a_tracker_that_cannot_open_its_run_stops_before_training_with_one_line(tmp_path):
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConfigError, match=r"^--tracker mlflow:nosuch://x: could not open a run: .*unsupported URI") \
+            as info:
+        polytrain.fit(tracker=["mlflow:nosuch://x"], metrics_file=str(tmp_path / "m.jsonl"), **BASE)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "m.jsonl").exists()  # nothing trained, nothing logged

@@ -136,7 +136,7 @@ class WandbTracker:
         mode = mode or os.environ.get("WANDB_MODE") or "offline"
         settings = wandb.Settings(console="off", silent=True)  # the run's output stays polytrain's own
         self.run = wandb.init(project=project, name=run_name, mode=mode, settings=settings, reinit="create_new")
-        self.where = f"wandb run {self.run.id} ({mode}, {self.run.dir})"
+        self.where = f"wandb run {self.run.id} ({mode}, {Path(self.run.dir).parent})"  # (run.dir: its files/)
 
     def start(self, config: dict[str, Any], config_toml: str) -> None:
         self.run.config.update(config, allow_val_change=True)
