@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -169,7 +170,11 @@ class Heartbeat:
                 # not the others' silence; start counting afresh
                 moved = [now] * self.world_size
             last_tick = now
+            unwatched = set(self._unwatched)
             error = self._check(values, seen, moved, now, started)
+            for rank in sorted(self._unwatched - unwatched):  # expendable ranks lost: the job goes on without them
+                self._explained(PeerLostError(self.lost.lost().get(rank, f"rank {rank} was lost"), rank), values,
+                                moved, now, level=logging.WARNING)
             if error is not None:
                 self._lose(self._explained(error, values, moved, now))
                 return
@@ -242,14 +247,14 @@ class Heartbeat:
             return
         self.store.set(self._key("last", self.rank), record)
 
-    def _explained(self, error: PeerLostError, values: list[int], moved: list[float],
-                   now: float) -> PeerLostError:
+    def _explained(self, error: PeerLostError, values: list[int], moved: list[float], now: float,
+                   level: int = logging.ERROR) -> PeerLostError:
         """Print and write the hang report for a silent rank's ``error``; the error, naming where that rank was
         and where the report is. A rank that failed with an error (its message says why) gets none."""
         if error.rank is None or not 0 < values[error.rank] < BYE:  # (0: it never started; no hang)
             return error
         try:
-            text, verdict = self._report(str(error), values, moved, now)
+            text, verdict = self._report(str(error), values, moved, now, level)
         except Exception as exc:  # the report is a help, never a reason to keep a survivor waiting
             get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}")
             return error
@@ -274,7 +279,8 @@ class Heartbeat:
         hangs.write(text)
         return text
 
-    def _report(self, headline: str, values: list[int], moved: list[float], now: float) -> tuple[str, dict[int, str]]:
+    def _report(self, headline: str, values: list[int], moved: list[float], now: float,
+                level: int = logging.ERROR) -> tuple[str, dict[int, str]]:
         records: dict[int, dict | None] = {}
         for rank in range(self.world_size):
             key = self._key("last", rank)
@@ -290,7 +296,7 @@ class Heartbeat:
                   if r != self.rank and r not in ended and since[r] > self.timeout}
         names = [self._describe(r) for r in range(self.world_size)]
         text, verdict = hangs.report(self.rank, headline, records, since, silent, names, ended)
-        get_logger().error(text)
+        get_logger().log(level, text)
         return text, verdict
 
     def _address(self) -> str:
