@@ -11,6 +11,6 @@ def launcher_cli_env():
 
 
 @pytest.fixture(scope="session")
-def reference(launcher_cli_env, tmp_path_factory):
+def cluster_reference(launcher_cli_env, tmp_path_factory):
     """The model polytrain's own launcher trains with tests.helpers.cluster_runs.RUN (2 spawned workers)."""
     return local_reference(launcher_cli_env, tmp_path_factory.mktemp("local-reference"))

@@ -34,16 +34,16 @@ def slurm():
         cluster.stop()
 
 
-def test_srun_tasks_train_the_local_launchers_model(slurm, launcher_cli_env, reference, tmp_path):
+def test_srun_tasks_train_the_local_launchers_model(slurm, launcher_cli_env, cluster_reference, tmp_path):
     proc = slurm.run("srun", "-n", "2", "polytrain", "train", *RUN, "--checkpoint-dir", str(tmp_path / "ck"),
                      "--save-model", str(tmp_path / "m.pt"), env=launcher_cli_env, cwd=tmp_path, timeout=180, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "strategy sync: 2 processes (2 on this machine" in proc.stdout  # one job of two srun tasks
     assert proc.stdout.count("done: 16 steps") == 1  # rank 0 alone reports
-    assert_same_model(tmp_path / "m.pt", reference)
+    assert_same_model(tmp_path / "m.pt", cluster_reference)
 
 
-def test_sbatch_script_requeued_after_a_worker_dies_resumes_to_the_same_model(slurm, launcher_cli_env, reference, tmp_path):
+def test_sbatch_script_requeued_after_a_worker_dies_resumes_to_the_same_model(slurm, launcher_cli_env, cluster_reference, tmp_path):
     """docs/clusters/slurm-one-node.sbatch, as a user submits it; rank 1 is killed after step 12: rank 0 sees it
     lost, requeues the job (--max-restarts), and the requeued job resumes from step 10's checkpoint."""
     kills = tmp_path / "kills"
@@ -66,10 +66,10 @@ def test_sbatch_script_requeued_after_a_worker_dies_resumes_to_the_same_model(sl
     assert f"requeued Slurm job {job} (restart 1 of 3)" in output
     assert "Slurm requeue 1: resuming from the latest checkpoint in runs/polytrain" in output
     assert output.count("done: 16 steps") == 1
-    assert_same_model(tmp_path / "m.pt", reference)
+    assert_same_model(tmp_path / "m.pt", cluster_reference)
 
 
-def test_mpirun_ranks_train_the_local_launchers_model(launcher_cli_env, reference, tmp_path):
+def test_mpirun_ranks_train_the_local_launchers_model(launcher_cli_env, cluster_reference, tmp_path):
     mpirun = shutil.which("mpirun")
     if mpirun is None or "Open MPI" not in subprocess.run([mpirun, "--version"], capture_output=True,
                                                           text=True).stdout:
@@ -80,7 +80,7 @@ def test_mpirun_ranks_train_the_local_launchers_model(launcher_cli_env, referenc
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "strategy sync: 2 processes (2 on this machine" in proc.stdout
     assert proc.stdout.count("done: 16 steps") == 1
-    assert_same_model(tmp_path / "m.pt", reference)
+    assert_same_model(tmp_path / "m.pt", cluster_reference)
 
 
 def test_max_restarts_under_srun_needs_a_requeueable_batch_job(slurm, monkeypatch):

@@ -50,7 +50,7 @@ def _container(spec: dict) -> dict:
     return spec["template"]["spec"]["containers"][0]
 
 
-def test_a_pytorchjob_pod_joins_with_the_operators_environment(launcher_cli_env, reference, tmp_path):
+def test_a_pytorchjob_pod_joins_with_the_operators_environment(launcher_cli_env, cluster_reference, tmp_path):
     job = yaml.safe_load((DOCS / "k8s-pytorchjob.yaml").read_text())
     replicas = job["spec"]["pytorchReplicaSpecs"]
     master, worker = _container(replicas["Master"]), _container(replicas["Worker"])
@@ -70,10 +70,10 @@ def test_a_pytorchjob_pod_joins_with_the_operators_environment(launcher_cli_env,
     assert [code for code, _ in outs] == [0, 0], outs
     assert "strategy sync: 2 processes" in outs[0][1] and "done: 16 steps" in outs[0][1]
     assert "no checkpoint in" in outs[0][1]  # --resume on a first start: from step 0
-    assert_same_model(tmp_path / "m.pt", reference)
+    assert_same_model(tmp_path / "m.pt", cluster_reference)
 
 
-def test_an_indexed_job_runs_torchrun_at_its_completion_index(launcher_cli_env, reference, tmp_path):
+def test_an_indexed_job_runs_torchrun_at_its_completion_index(launcher_cli_env, cluster_reference, tmp_path):
     service, job = yaml.safe_load_all((DOCS / "k8s-indexed-job.yaml").read_text())
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -102,4 +102,4 @@ def test_an_indexed_job_runs_torchrun_at_its_completion_index(launcher_cli_env, 
     # JOB_COMPLETION_INDEX became each torchrun's node rank: one job of 2 ranks, the pod of index 0 its rank 0
     assert [code for code, _ in outs] == [0, 0], outs
     assert "strategy sync: 2 processes" in outs[0][1] and "done: 16 steps" in outs[0][1], outs
-    assert_same_model(tmp_path / "m.pt", reference)
+    assert_same_model(tmp_path / "m.pt", cluster_reference)
