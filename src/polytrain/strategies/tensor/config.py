@@ -13,8 +13,8 @@ READERS = ("tp", "pipeline", "hybrid")
 @dataclass
 class TensorParallelConfig:
     tp: int | None = option(None, "tensor-parallel ranks each layer of the plan is split over (Megatron-style, "
-                                  "DTensor); tp: default --workers (--workers / --tp data-parallel replicas); "
-                                  "pipeline, hybrid: T ranks per stage (default 1)",
+                                  "DTensor); --strategy tp: all of --workers by default, else --workers / --tp "
+                                  "data-parallel replicas; pipeline, hybrid: T ranks per stage (default 1)",
                             minimum=1, metavar="T", strategies=READERS)
     tp_plan: str = option("auto", "which layers --tp splits: a TOML file mapping module names to colwise or "
                                   "rowwise (blocks.*.mlp.0 = \"colwise\"), or auto: the model's own tp_plan "
