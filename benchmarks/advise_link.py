@@ -1,9 +1,9 @@
 """polytrain advise checked against the emulated network: its predicted examples/s for every strategy, and its
 top pick, against what the same strategies measure on links of 1 Gbit/s, 100 Mbit/s and 20 Mbit/s.
 
-1. advise's measurement: each strategy once on loopback (2 workers, compare's runner), read into a profile
-   (or taken from --profiles FILE, an earlier run's profiles.json);
-2. right after it, the same strategy on the emulated network at each rate (2 workers, a node per process,
+1. advise's measurement: a strategy once on loopback (2 workers, compare's runner), read into a profile (or
+   taken from --profiles FILE, an earlier run's profiles.json), once before each of its link runs;
+2. right after it, the same strategy on the emulated network at that rate (2 workers, a node per process,
    async's server on a node of its own), the same settings, so that a shared machine's drifting load hits a
    strategy's measurement and its runs alike; measured examples/s is compare's end-to-end number, the time to
    the target the first evaluation reaching it;
@@ -25,7 +25,7 @@ from netlab_runs import read_back, run_on_link  # noqa: E402
 
 import polytrain.components  # noqa: E402,F401
 from polytrain.advise import measure as advise_measure  # noqa: E402
-from polytrain.advise.model import Scenario, predict, rank  # noqa: E402
+from polytrain.advise.model import Profile, Scenario, predict, rank  # noqa: E402
 from polytrain.compare.specs import CompareConfig  # noqa: E402
 from polytrain.netlab import parse_rate  # noqa: E402
 
@@ -47,25 +47,25 @@ def main() -> int:
     specs = advise_measure.parse(args.strategies)
     work = Path(args.workdir)
     rates = args.rates.split(",")
-    saved = {p.strategy: p for p in advise_measure.load(Path(args.profiles))[0]} if args.profiles else {}
-    profiles, runs = [], {}
-    for spec in specs:  # each strategy's loopback run next to its link runs: the machine's load drifts alike
-        if spec.text in saved:
-            profiles.append(saved[spec.text])
-        else:
-            profiles += advise_measure.measure(cfg, [spec], work / "loopback", progress=lambda m: print(m, flush=True))
+    saved = json.loads(Path(args.profiles).read_text()) if args.profiles else {}
+    profiles: dict[str, list] = {rate: [] for rate in rates}
+    runs = {}
+    for spec in specs:
         settings = cfg.settings(advise_measure.for_measuring(spec), [])
-        for rate in rates:
+        for rate in rates:  # a loopback measurement right before each link run: the machine's load drifts alike
+            kept = [Profile(**p) for p in saved.get(rate, []) if p["strategy"] == spec.text]
+            profiles[rate] += kept or advise_measure.measure(cfg, [spec], work / "loopback" / rate,
+                                                             progress=lambda m: print(m, flush=True))
             label = f"{spec.text}-{rate}"
             runs[spec.text, rate] = (args.reuse and read_back(label, rate, work / rate)) or \
                 run_on_link(label, settings, rate, work / rate)
             print(f"  {rate}: {runs[spec.text, rate].examples_per_s:.0f} examples/s", flush=True)
-    advise_measure.save(profiles, work / "profiles.json", {"steps": args.steps})
-    by_name = {p.strategy: p for p in profiles}
+    (work / "profiles.json").write_text(json.dumps({r: [p.__dict__ for p in ps] for r, ps in profiles.items()},
+                                                   indent=2) + "\n")
     results = {"command": " ".join(sys.argv), "steps": args.steps, "target_accuracy": args.target_accuracy,
-               "profiles": [p.__dict__ for p in profiles], "rates": []}
+               "profiles": {r: [p.__dict__ for p in ps] for r, ps in profiles.items()}, "rates": []}
     for rate in rates:
-        ranked = rank([predict(by_name[s.text], Scenario(2, parse_rate(rate))) for s in specs])
+        ranked = rank([predict(p, Scenario(2, parse_rate(rate))) for p in profiles[rate]])
         rows = []
         for spec in specs:
             run = runs[spec.text, rate]

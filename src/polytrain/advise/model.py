@@ -26,9 +26,12 @@ Per step of every worker (persistent straggler factors ``f_i``, or ``random:P:F`
   of the exchange not hidden behind ``overlap_s``; per step, the round over H;
 * ``wire = bytes / (link_bps / 8) + messages * latency_s``, ring: ``2 (N - 1) / N * payload`` and
   ``2 (N - 1)`` messages; gather: ``(N - 1) * payload`` and ``N - 1`` messages;
-* server (async): a worker's slice takes ``step_s * f_i + 2 * payload / (link_bps / 8) + 2 latency_s`` (push,
-  then pull) and nobody waits for anyone, so slices/s is the sum of ``1 / slice_i``, capped by the servers'
-  links: each slice moves a payload in and out of them, ``servers * link_bps / 8 / payload`` slices/s.
+* server (async): a worker's slice takes ``step_s * f_i + 2 t (1 + u) + 2 latency_s`` with
+  ``t = payload / (link_bps / 8)`` (a push, then a pull) and nobody waits for anyone. The servers' links are
+  shared: while another worker's push (or pull) crosses them, this one's goes at half the rate, and the other
+  ``N - 1`` workers occupy a server's link in each direction for ``u = (N - 1) t / (S c)`` of a slice's time
+  ``c`` (solved for ``c``). Slices/s is the sum of ``1 / c_i``, capped by the servers' links:
+  ``servers * link_bps / 8 / payload`` slices/s.
 
 examples/s = N * batch / step (server: slices/s * batch); time to target = examples_to_target / examples/s.
 """
@@ -114,7 +117,8 @@ def predict(profile: Profile, scenario: Scenario) -> Prediction:
     factors = scenario.factors()
     exchange = exchange_s(profile, scenario)
     if profile.pattern == "server":
-        slices = [profile.step_s * _mean_factor(f, scenario.random) + exchange for f in factors]
+        slices = [_slice_s(profile.step_s * _mean_factor(f, scenario.random), exchange, profile, scenario)
+                  for f in factors]
         rate = sum(1.0 / s for s in slices)
         if n > 1 and profile.payload > 0:
             rate = min(rate, scenario.servers * scenario.link_bps / 8 / profile.payload)
@@ -137,6 +141,17 @@ def predict(profile: Profile, scenario: Scenario) -> Prediction:
         moved = wire_bytes(profile.payload, profile.pattern, n) / h
     to_target = profile.examples_to_target / examples if profile.examples_to_target and examples > 0 else None
     return Prediction(profile.strategy, examples, step, wire, moved, to_target)
+
+
+def _slice_s(compute: float, exchange: float, profile: Profile, scenario: Scenario) -> float:
+    """One worker's slice with the servers' links shared: the fixed point of ``c = compute + exchange (1 + u)``,
+    ``u = (N - 1) t / (S c)`` (``t``: one transfer's seconds alone), which the iteration reaches from above."""
+    n, transfer = scenario.workers, profile.payload * 8 / scenario.link_bps
+    c = compute + exchange
+    for _ in range(50):
+        busy = min(1.0, (n - 1) * transfer / (scenario.servers * c)) if c > 0 else 0.0
+        c = compute + exchange * (1 + busy)
+    return c
 
 
 def _max_factor(factors: list[float], random: tuple[float, float] | None) -> float:
