@@ -24,6 +24,8 @@ class WorkerContext:
     stop: StopSignal = field(default_factory=StopSignal, compare=False)
     #: the job's layout as the launching process decided it (None: launched without one)
     layout: Layout | None = None
+    #: ``--on-failure continue``: this process's membership (:mod:`polytrain.distributed.elastic`); else None
+    membership: Any = None
 
     @property
     def rank(self) -> int:
@@ -66,6 +68,8 @@ class Job:
     orderly_stop: bool = False  # stop signals ask for an orderly stop (ctx.stop) instead of their default
     layout: Layout | None = None
     memory_limit: str | None = None  # --memory-limit, applied in the worker (devices/memory_limit.py)
+    elastic: bool = False  # --on-failure continue: groups by membership generation (distributed/elastic.py)
+    joining: bool = False  # a replacement for a lost worker, admitted by the others at a step boundary
 
 
 def with_heartbeat(beat: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -198,6 +198,9 @@ class Heartbeat:
                started: float) -> PeerLostError | None:
         """The first lost rank the job cannot go on without (None: none); expendable ones are reported."""
         for rank, value in enumerate(values):
+            if rank in self._unwatched and rank not in self.lost:  # revived (--on-failure continue): watched afresh
+                self._unwatched.discard(rank)
+                seen[rank], moved[rank] = value, now
             if rank == self.rank or rank in self._unwatched:
                 continue
             error = self._verdict(rank, value, seen, moved, now, started)

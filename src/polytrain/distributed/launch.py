@@ -40,6 +40,7 @@ from polytrain.devices.memory_limit import limited, parse_size
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.cluster import scheduler, scheduler_threads
 from polytrain.distributed.context import Job, WorkerContext
+from polytrain.distributed.elastic import mark_dead
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.processes import forkserver_ready, start_context
 from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
@@ -141,7 +142,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            soft_placement: bool = False, host_memory: str = "cache",
            rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0,
            expendable: Sequence[int] = (), stop: StopSignal | None = None,
-           layout: Layout | None = None, memory_limit: str | None = None) -> list[Any]:
+           layout: Layout | None = None, memory_limit: str | None = None, elastic: bool = False,
+           replacements: int = 0) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -167,6 +169,10 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
 
     ``memory_limit``: ``--memory-limit`` (``"600MiB"``), applied in each worker, and in this process around
     ``fn`` when it runs here (restored after): :mod:`polytrain.devices.memory_limit`.
+
+    ``elastic`` (``--on-failure continue``): every worker's group is that of a membership that may shrink and
+    grow (:mod:`polytrain.distributed.elastic`); the expendable ranks' deaths are marked in the store at once, and
+    up to ``replacements`` of them are replaced by a new process for the same rank, which the others admit.
 
     ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
@@ -205,8 +211,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
                host_memory, heartbeat_timeout=heartbeat_timeout,
                rank_names=tuple(rank_names) if rank_names else None,
                expendable=_check_expendable(expendable, count, heartbeat_timeout), orderly_stop=stop is not None,
-               layout=layout, memory_limit=memory_limit)
-    return _spawn(job, master_port, rank_names, stop)
+               layout=layout, memory_limit=memory_limit, elastic=elastic)
+    return _spawn(job, master_port, rank_names, stop, replacements)
 
 
 def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_timeout: float) -> tuple[int, ...]:
@@ -237,7 +243,7 @@ def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, 
 
 
 def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None = None,
-           stop: StopSignal | None = None) -> list[Any]:
+           stop: StopSignal | None = None, replacements: int = 0) -> list[Any]:
     _check_devices(job.world_size, job.device, job.backend)
     server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
     ctx = start_context()
@@ -267,7 +273,8 @@ def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None
                     conns.append(recv)
             check()
             return supervise(processes, conns, rank_names, frozenset(job.expendable),
-                             wake=(stop.wake_fd, check) if stop is not None else None)
+                             wake=(stop.wake_fd, check) if stop is not None else None,
+                             replace=_elastic_replacements(job, ctx, server, replacements) if job.elastic else None)
         except StopBeforeTraining as early:
             stop_all(processes)
             raise RunStopped(f"stopped by {early.name} before training began; nothing was lost",
@@ -277,6 +284,28 @@ def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None
             raise
         finally:
             server.close()
+
+
+def _elastic_replacements(job: "Job", ctx: Any, server: StoreServer, budget: int) -> Callable[[int], Any]:
+    """``--on-failure continue``: for each lost rank, say so in the store (the survivors need not wait for the
+    heartbeat) and, while ``budget`` lasts, start a replacement process for it: ``(process, pipe)`` or None."""
+    left = [budget]
+
+    def lost(rank: int) -> tuple[Any, Any] | None:
+        if server.store is not None:
+            mark_dead(server.store, rank)
+        if left[0] <= 0:
+            return None
+        left[0] -= 1
+        with _worker_environment(job.threads), _script_not_rerun(job):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(replace(job, joining=True), rank, send),
+                               name=f"polytrain-rank{rank}")
+            proc.start()
+            send.close()
+        return proc, recv
+
+    return lost
 
 
 def _check_devices(count: int, device: str, backend: str) -> None:

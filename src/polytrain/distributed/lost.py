@@ -54,6 +54,12 @@ class LostRanks:
         for rank, reason in already:
             _call(fn, rank, reason)
 
+    def revive(self, rank: int) -> None:
+        """``rank`` is back (``--on-failure continue``: a replacement took its place): no longer lost, and the
+        heartbeat watches it again."""
+        with self._lock:
+            self._lost.pop(rank, None)
+
     def lost(self) -> dict[int, str]:
         """The ranks lost so far and why (a copy)."""
         with self._lock:

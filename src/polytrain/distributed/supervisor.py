@@ -83,7 +83,8 @@ def _exit_failure(rank: int, exitcode: int) -> Failure:
 
 def supervise(processes: list[Any], conns: list[Connection], names: Sequence[str] | None = None,
               expendable: Iterable[int] = frozenset(),
-              wake: tuple[int, Callable[[], None]] | None = None) -> list[Any]:
+              wake: tuple[int, Callable[[], None]] | None = None,
+              replace: Callable[[int], tuple[Any, Connection] | None] | None = None) -> list[Any]:
     """Wait for all workers; return their results in rank order, or stop them all and raise. ``names`` says
     what each rank is in the error (default "worker rank N"; e.g. "parameter server rank 2").
 
@@ -93,12 +94,16 @@ def supervise(processes: list[Any], conns: list[Connection], names: Sequence[str
 
     ``wake`` = (descriptor, call): ``call()`` whenever the descriptor becomes readable (a signal arrived); what
     it raises ends the supervision (every worker is stopped) and propagates.
+
+    ``replace(rank)`` (``--on-failure continue``) is called for each expendable rank lost: a new ``(process,
+    pipe)`` for that rank, supervised in its place, or None (the job goes on without it).
     """
     watch = _Watch(processes, conns, names, frozenset(expendable), wake)
+    watch.replace = replace
     try:
         watch.run()
     finally:
-        stop_all(processes)
+        stop_all(processes + watch.retired)
     return watch.outcome()
 
 
@@ -116,6 +121,8 @@ class _Watch:
         self.alive = {proc.sentinel: rank for rank, proc in enumerate(processes)}
         self.first_failure_at: float | None = None
         self.needed_done_at: float | None = None  # when the last rank that is not expendable was done
+        self.replace: Callable[[int], tuple[Any, Connection] | None] | None = None
+        self.retired: list[Any] = []  # processes replaced by another in their rank
 
     def run(self) -> None:
         while self.alive or self.pending:
@@ -134,7 +141,9 @@ class _Watch:
                 if obj in self.pending:
                     self._receive(obj)
                 elif obj in self.alive:  # (not when its pipe was read at its exit, earlier in this batch)
-                    self._exited(self.alive.pop(obj))
+                    rank = self.alive.pop(obj)
+                    if self.processes[rank].sentinel == obj:  # (else a replaced process: its rank went on)
+                        self._exited(rank)
             if self.failures and self.first_failure_at is None:
                 self.first_failure_at = time.monotonic()
             if self.needed_done_at is None and self._needed_done():
@@ -179,6 +188,8 @@ class _Watch:
         conn = self.conns[rank]
         if conn in self.pending and conn.poll(0):  # its last word (or end of file) first: it says more than
             self._receive(conn)                     # the exit code, and tells a result from none at all
+        if self.processes[rank] is not proc:  # lost and replaced meanwhile (--on-failure continue)
+            return
         if self._settled(rank):
             return
         if proc.exitcode != 0:
@@ -200,7 +211,16 @@ class _Watch:
             return
         self.lost[rank] = what
         trace = f"\n{details.rstrip()}" if details else ""
-        get_logger().warning(f"{_name(self.names, rank)} {what}; going on without it (--tolerate-worker-loss){trace}")
+        flag = "--on-failure continue" if self.replace is not None else "--tolerate-worker-loss"
+        get_logger().warning(f"{_name(self.names, rank)} {what}; going on without it ({flag}){trace}")
+        started = self.replace(rank) if self.replace is not None and self.needed_done_at is None else None
+        if started is not None:  # a replacement in the same rank, admitted by the others at a step boundary
+            proc, conn = started
+            get_logger().warning(f"starting a replacement for {_name(self.names, rank)} (pid {proc.pid})")
+            self.retired.append(self.processes[rank])
+            self.processes[rank], self.conns[rank] = proc, conn
+            self.pending[conn], self.alive[proc.sentinel] = rank, rank
+            del self.lost[rank]
 
     # -- state ----------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from polytrain.devices.host_memory import set_host_memory
 from polytrain.devices.memory_limit import apply_memory_limit, memory_error
 from polytrain.devices.spec import resolve_device
+from polytrain.distributed import elastic
 from polytrain.distributed.context import Job, WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.lifetime import die_with_parent
@@ -92,7 +93,11 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
     torch.set_num_threads(job.threads)
     setup_logging(rank, job.world_size, all_ranks=job.log_all_ranks)
     try:
-        topology = _init_spawned(job, rank)
+        topology, membership = _init_spawned(job, rank)
+        if topology is None:  # a replacement the job ended before admitting (--on-failure continue)
+            send_report(conn, "ok", None)
+            conn.close()
+            return
         if job.orderly_stop:
             stop.connect(lambda: connect_store("127.0.0.1", job.store_port, timedelta(seconds=job.timeout_s)))
         beat = watch_peers("127.0.0.1", job.store_port, rank, job.world_size, job.heartbeat_timeout,
@@ -102,7 +107,7 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
 
         apply_memory_limit(job.memory_limit, topology.device, rank)  # counted from here: docs/devices.md
         try:
-            result = with_heartbeat(beat, job.fn, WorkerContext(topology, stop, job.layout), *job.args)
+            result = with_heartbeat(beat, job.fn, WorkerContext(topology, stop, job.layout, membership), *job.args)
         finally:
             dist.destroy_process_group()
         send_report(conn, "ok", result)
@@ -113,12 +118,17 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
     conn.close()
 
 
-def _init_spawned(job: Job, rank: int) -> Topology:
+def _init_spawned(job: Job, rank: int) -> tuple[Topology | None, Any]:
     timeout = timedelta(seconds=job.timeout_s)
     device = resolve_device(job.device, local_rank=rank, soft=job.soft_placement)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = connect_store("127.0.0.1", job.store_port, timeout)
+    if job.elastic:  # --on-failure continue: the group of a membership generation (distributed/elastic.py)
+        membership = elastic.start(store, rank, job.world_size, joining=job.joining, backend=job.backend,
+                                   device=device, timeout=timeout, lost=LostRanks(job.expendable),
+                                   heartbeat_timeout=job.heartbeat_timeout)
+        return (membership.topology(), membership) if membership is not None else (None, None)
     dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size, timeout=timeout)
     return Topology(rank, job.world_size, rank, job.world_size, device, job.backend, dist.group.WORLD, timeout,
-                    lost=LostRanks(job.expendable))
+                    lost=LostRanks(job.expendable)), None

@@ -43,6 +43,7 @@ from polytrain.log import get_logger
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.dirlock import hold
 from polytrain.train.faults import ATTEMPT_ENV
+from polytrain.train.on_failure import continuing
 from polytrain.train.run import layout_of, run as run_once
 
 #: what a restart can help with: a process that died or was lost, a peer that did not answer
@@ -67,8 +68,9 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
 
 def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dict[str, Any] | None:
     """The first attempt, and one more after each restartable failure, up to ``--max-restarts``."""
-    limit = config.restart.max_restarts
     directory = config.checkpoint.checkpoint_dir
+    # --on-failure continue replaces lost workers; without checkpoints, losing rank 0 ends the job (no restart)
+    limit = config.restart.max_restarts if directory or not continuing(config) else 0
     with hold(directory):  # one run per checkpoint directory, for every attempt (train/dirlock.py)
         before = _latest_mark(directory)  # a checkpoint already there when this run began is not this run's
         causes: list[dict[str, Any]] = []
@@ -96,7 +98,7 @@ def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dic
 def check_restarts(config: RunConfig) -> None:
     """One clear line for settings a restart cannot work with, before any process starts."""
     restart, directory = config.restart, config.checkpoint.checkpoint_dir
-    if restart.max_restarts and not directory:
+    if restart.max_restarts and not directory and not continuing(config):  # (continue: replacements need none)
         raise ConfigError(f"--max-restarts {restart.max_restarts} needs --checkpoint-dir DIR: a restart resumes "
                           "from the latest checkpoint there (add --checkpoint-every N or --checkpoint-every-seconds S "
                           "to bound the work lost)")

@@ -28,6 +28,7 @@ from polytrain.strategies.settings import check_settings_read
 from polytrain.train.checkpoint import check_checkpoint_dir
 from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
+from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
 from polytrain.train.straggler import check_stragglers
 from polytrain.train.unit_options import check_unit_options
 from polytrain.train.trainer import train_worker
@@ -61,6 +62,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
     check_unit_options(config, model)
+    check_on_failure(config, layout)
     check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
     if config.optim.nesterov and (config.optim.optimizer != "sgd" or config.optim.momentum <= 0):
@@ -96,6 +98,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
     (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
     stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
     layout = layout_of(config) if under_torchrun() else check(config, model=model, data=data)
+    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker but rank 0 may be lost
     results = launch(
         train_worker, config, model, data,
         device=config.device.device, backend=config.launch.backend, layout=layout,
@@ -103,6 +106,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         master_port=config.launch.master_port, log_all_ranks=config.launch.log_all_ranks,
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
         heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop, memory_limit=config.device.memory_limit,
+        elastic=continuing(config), replacements=config.restart.max_restarts if continuing(config) else 0,
     )
     summary = results[0]  # under torchrun: this process's own
     if isinstance(summary, dict) and summary.get("stopped"):

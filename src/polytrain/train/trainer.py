@@ -38,7 +38,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError, RunStopped
 from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
-from polytrain.train import session
+from polytrain.train import elastic, session
 from polytrain.train.files import atomic_save
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
@@ -55,7 +55,8 @@ class Trainer:
 
     def __init__(self, config: RunConfig, topology: Topology | None = None, *,
                  model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, membership: Any = None):
+        config, layout = elastic.before_build(config, layout, membership)  # --on-failure continue: a replacement
         self.config = config
         self.memory = MemoryMeter((topology or Topology()).device)  # this rank's peak from here; docs/devices.md
         self.session = session.build(config, topology or Topology(), model=model, data=data, layout=layout)
@@ -71,6 +72,7 @@ class Trainer:
         s = self.session  # --profile A-B: a trace and a summary of those steps on every trainer rank
         self.profiler = StepProfiler(config, self.topology, s.start_step, s.total_steps) \
             if config.profile.profile else None
+        self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
         source = self._run_source()
@@ -84,7 +86,8 @@ class Trainer:
         try:
             run_log.start(s.config_flat, s.config_toml, s.start_step)
             run_log.info(s.describe())
-            summary = self._loop(run_log)
+            summary = self._loop(run_log) if self.elastic is None else \
+                self.elastic.run(lambda: self._loop(run_log), run_log)  # --on-failure continue: survives a loss
             self.strategy.finish()
             summary["wall_s"] = round(time.perf_counter() - started, 3)
             run_log.end(summary)
@@ -107,7 +110,7 @@ class Trainer:
         batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
                                      cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
-        ids = example_ids(s, self.topology)
+        ids = self.ids = example_ids(s, self.topology)  # (self.ids: --on-failure continue writes what it noted)
         self.guard = DivergenceGuard(self.topology.device)
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
@@ -307,4 +310,5 @@ class Trainer:
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
-    return Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout).fit()
+    return Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout,
+                   membership=getattr(ctx, "membership", None)).fit()

@@ -1,0 +1,310 @@
+"""A membership that changes while the job runs (``--on-failure continue``): the survivors of a lost worker agree
+on who is left, a replacement asks to join, and every membership gets a process group of its own.
+
+Each process of a spawned job has a *slot*: its rank at launch (a replacement takes the slot of the worker it
+replaces; the heartbeat watches slots). A *generation* is one membership: the slots that train together, in slot
+order (rank = place in that order), with a process group made afresh under its own store prefix
+(``polytrain/elastic/g<N>/pg``), so nothing a dead member published is ever read again.
+
+Going from generation N to N+1, to leave a lost member behind or to let joiners in (:meth:`Membership.change`):
+
+1. every member taking part aborts its generation-N group first: a peer still blocked on it inside a collective
+   gets an error at once (a group is not released by an error alone; measured: 30 s blocked otherwise);
+2. it *arrives*: ``g<N+1>/arrive/<slot>`` holds the last step whose state it holds (``committed``);
+3. it waits until every slot of generation N has arrived or was reported lost by the heartbeat (so within
+   ``--heartbeat-timeout`` plus a beat), then proposes the arrived slots, with the joiners waiting, as
+   generation N+1; the first proposal stored (the store's ``compare_set``) is the decision everyone reads;
+4. a member missing from the decision (it arrived after it) leaves; the joiners in it are admitted;
+5. every member of N+1 makes the new group. The step to continue from is the largest ``committed`` of the
+   decision; a member behind it (or a joiner) receives the state from a member that holds it, over the new
+   group (the trainer's side: :mod:`polytrain.train.elastic`).
+
+A replacement (:func:`join`) registers under ``join/<slot>`` and waits for ``admitted/<slot>`` (or for the job
+to end: ``closed``); the members look for joiners at step boundaries (:meth:`Membership.joiners_waiting`).
+Slot 0 is never lost by this: it logs, evaluates and writes checkpoints, and its loss ends the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polytrain.distributed.lost import LostRanks
+from polytrain.distributed.topology import Topology
+from polytrain.errors import CommunicationError
+from polytrain.log import get_logger
+
+PREFIX = "polytrain/elastic"
+HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distributed/heartbeat.py), keyed by slot
+_POLL_S = 0.02
+
+
+class Excluded(CommunicationError):
+    """This process arrived after its peers had agreed on the next membership without it."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership: ``slots`` in rank order, and what each member committed when it was agreed."""
+
+    number: int
+    slots: tuple[int, ...]
+    committed: tuple[tuple[int, int], ...] = ()  # (slot, step) of the members that arrived
+    joined: tuple[int, ...] = ()  # slots admitted in this generation
+    lost: tuple[int, ...] = ()  # slots of the previous generation left behind
+
+    @property
+    def step(self) -> int:
+        """The step the members continue from: the most advanced committed state."""
+        return max((step for _, step in self.committed), default=0)
+
+    def rank_of(self, slot: int) -> int:
+        return self.slots.index(slot)
+
+    def source(self) -> int:
+        """The rank whose state the others take (the first that holds :attr:`step`)."""
+        holders = [slot for slot, step in self.committed if step == self.step]
+        return self.rank_of(min(holders))
+
+    def needs_state(self, slot: int) -> bool:
+        """Whether ``slot`` must receive the state: a joiner, or a member behind :attr:`step`."""
+        return dict(self.committed).get(slot, -1) != self.step
+
+    @property
+    def anyone_needs_state(self) -> bool:
+        return any(self.needs_state(slot) for slot in self.slots)
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "slots": list(self.slots), "committed": list(self.committed),
+                           "joined": list(self.joined), "lost": list(self.lost)})
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> "Generation":
+        d = json.loads(text)
+        return cls(d["number"], tuple(d["slots"]), tuple(tuple(p) for p in d["committed"]), tuple(d["joined"]),
+                   tuple(d["lost"]))
+
+
+class Membership:
+    """This process's view of the job's membership, and the store protocol that changes it (see the module)."""
+
+    def __init__(self, store: dist.Store, slot: int, generation: Generation, *, backend: str,
+                 device: torch.device, timeout: timedelta, lost: LostRanks, heartbeat_timeout: float, launched: int):
+        self.store, self.slot, self.generation = store, slot, generation
+        self.backend, self.device, self.timeout, self.lost = backend, device, timeout, lost
+        self.heartbeat_timeout = heartbeat_timeout
+        self.launched = launched  # slots at launch: 0 .. launched-1
+        self._joins_seen = 0
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join([PREFIX, *map(str, parts)])
+
+    # -- the group of the current generation ------------------------------------------------------------
+
+    def topology(self) -> Topology:
+        g = self.generation
+        return Topology(g.rank_of(self.slot), len(g.slots), self.slot, len(g.slots), self.device, self.backend,
+                        dist.group.WORLD, self.timeout, lost=self.lost)
+
+    def make_group(self) -> None:
+        g = self.generation
+        store = dist.PrefixStore(self._key(f"g{g.number}", "pg"), self.store)
+        dist.init_process_group(self.backend, store=store, rank=g.rank_of(self.slot), world_size=len(g.slots),
+                                timeout=self.timeout)
+
+    def abort_group(self, cut: bool = True) -> None:
+        """Forget the current group. With ``cut``, first close its connections: an operation of this process
+        blocked in it, and a peer's blocked on this one, fail at once (gloo's abort does not release an operation
+        in flight: measured, it waits out --timeout)."""
+        if not dist.is_initialized():
+            return
+        if cut:
+            cut_connections(keep_port=getattr(self.store, "port", None))
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    # -- changing it ------------------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Cut this process's connections when the heartbeat reports a member lost: a collective blocked on a
+        frozen member fails then, instead of waiting out --timeout (a dead one's connections close by themselves)."""
+        def lost(slot: int, reason: str) -> None:
+            if slot in self.generation.slots and slot != self.slot and dist.is_initialized():
+                cut_connections(keep_port=getattr(self.store, "port", None))
+
+        self.lost.listen(lost)
+
+    def change(self, committed: int, cut: bool = True) -> Generation:
+        """Agree on the next generation with the other members (and any joiners waiting), make its group and
+        return it; :class:`Excluded` if the others went on without this process."""
+        self.abort_group(cut)
+        old, number = self.generation, self.generation.number + 1
+        self.store.set(self._key(f"g{number}", "arrive", self.slot), str(committed))
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        decision_key = self._key(f"g{number}", "decision")
+        while True:
+            if self.store.check([decision_key]):
+                break
+            arrived = self._arrived(number, old.slots)
+            missing = [s for s in old.slots if s not in arrived and not self._dead(s)]
+            if not missing:
+                proposal = Generation(number, tuple(sorted(set(arrived) | set(self._joiners()))),
+                                      tuple(sorted(arrived.items())), tuple(sorted(self._joiners())),
+                                      tuple(s for s in old.slots if s not in arrived))
+                self.store.compare_set(decision_key, "", proposal.to_json())
+                break
+            if time.monotonic() > deadline:
+                raise CommunicationError(
+                    f"--on-failure continue: worker slot(s) {', '.join(map(str, missing))} neither came back to "
+                    f"agree on the membership nor were reported lost within --timeout "
+                    f"{self.timeout.total_seconds():g} s")
+            time.sleep(_POLL_S)
+        decided = Generation.from_json(self.store.get(decision_key))
+        if self.slot not in decided.slots:
+            raise Excluded(f"worker slot {self.slot} reached the membership change of generation {number} after "
+                           "its peers had agreed on it without it; leaving")
+        for slot in decided.joined:  # (every member writes these: any of them may be the one left)
+            self.store.set(self._key("admitted", slot), str(number))
+            self.lost.revive(slot)  # the heartbeat watches the newcomer in its slot again
+        self.generation = decided
+        self.make_group()
+        return decided
+
+    def _arrived(self, number: int, slots: tuple[int, ...]) -> dict[int, int]:
+        keys = [self._key(f"g{number}", "arrive", s) for s in slots]
+        found = {s: k for s, k in zip(slots, keys) if self.store.check([k])}
+        if not found:
+            return {}
+        values = self.store.multi_get(list(found.values()))
+        return {s: int(v) for s, v in zip(found, values)}
+
+    def _joiners(self) -> list[int]:
+        """Slots registered to join and not admitted yet."""
+        return [slot for slot in range(self.launched) if self.store.check([self._key("join", slot)])
+                and not self.store.check([self._key("admitted", slot)])]
+
+    def joiners_waiting(self) -> bool:
+        """Whether a replacement waits to be admitted (rank 0 asks at step boundaries; one store call while no
+        new registration came)."""
+        count = int(self.store.add(self._key("join", "count"), 0))
+        if count <= self._joins_seen:
+            return False
+        if self._joiners():
+            return True
+        self._joins_seen = count  # every registration so far was admitted
+        return False
+
+    def _dead(self, slot: int) -> bool:
+        """The launcher saw the process of ``slot`` end (it marks that at once; the heartbeat takes its bound)."""
+        return slot in self.lost or self.store.check([self._key("dead", slot)])
+
+    def close(self) -> None:
+        """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""
+        with contextlib.suppress(Exception):
+            self.store.set(self._key("closed"), "1")
+
+
+def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, timeout: timedelta,
+         lost: LostRanks, heartbeat_timeout: float, launched: int) -> Membership | None:
+    """A replacement for ``slot``: register, wait until the members admit it at a step boundary (or until the
+    job's training ends: None), and make the new generation's group with them."""
+    _fresh_heartbeat(store, slot)
+    with contextlib.suppress(Exception):
+        store.delete_key(PREFIX + f"/dead/{slot}")  # the worker this one replaces is dead; this one is not
+    with contextlib.suppress(Exception):
+        store.delete_key(PREFIX + f"/admitted/{slot}")
+    store.set(PREFIX + f"/join/{slot}", str(time.time()))
+    store.add(PREFIX + "/join/count", 1)
+    admitted, closed = PREFIX + f"/admitted/{slot}", PREFIX + "/closed"
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([admitted]):
+        if store.check([closed]):
+            return None
+        if time.monotonic() > deadline:
+            raise CommunicationError(f"--on-failure continue: the replacement for worker slot {slot} was not "
+                                     f"admitted within --timeout {timeout.total_seconds():g} s")
+        time.sleep(_POLL_S)
+    number = int(store.get(admitted))
+    generation = Generation.from_json(store.get(PREFIX + f"/g{number}/decision"))
+    membership = Membership(store, slot, generation, backend=backend, device=device, timeout=timeout, lost=lost,
+                            heartbeat_timeout=heartbeat_timeout, launched=launched)
+    membership.make_group()
+    membership.watch()
+    get_logger().info(f"replacement for worker slot {slot} admitted: {len(generation.slots)} workers from step "
+                      f"{generation.step}")
+    return membership
+
+
+def _fresh_heartbeat(store: dist.Store, slot: int) -> None:
+    """A replacement beats on its slot's counter; a goodbye or failure mark left there by the worker it replaces
+    (counters past 2**40) is cleared, so the others do not take the newcomer for gone."""
+    key = f"{HEARTBEAT_PREFIX}/beat/{slot}"
+    if int(store.add(key, 0)) >= 1 << 40:
+        store.set(key, "1")
+
+
+def first_generation(world_size: int) -> Generation:
+    return Generation(0, tuple(range(world_size)), tuple((s, 0) for s in range(world_size)))
+
+
+def cut_connections(keep_port: int | None) -> int:
+    """Shut down this process's established loopback TCP connections (gloo's pairs), all but those to or from
+    ``keep_port`` (the rendezvous store's); how many. Linux only (``/proc``); elsewhere nothing is cut."""
+    table: dict[str, tuple[int, int]] = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            with open(name) as fh:
+                for line in fh.read().splitlines()[1:]:
+                    f = line.split()
+                    local, remote, state, inode = f[1], f[2], f[3], f[9]
+                    loopback = remote.startswith("0100007F") or remote.startswith("0000000000000000FFFF00000100007F") \
+                        or remote.startswith("00000000000000000000000001000000")
+                    if state == "01" and loopback:  # established, to this machine
+                        table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
+    cut = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                ports = table.get(target[8:-1]) if target.startswith("socket:[") else None
+                if ports is None or keep_port in ports:
+                    continue
+                sock = socket.socket(fileno=int(fd))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+                finally:
+                    sock.detach()
+    return cut
+
+
+def mark_dead(store: dist.Store, slot: int) -> None:
+    """The launcher's word that the process of ``slot`` ended: the survivors need not wait for the heartbeat."""
+    with contextlib.suppress(Exception):
+        store.set(PREFIX + f"/dead/{slot}", "1")
+
+
+def start(store: dist.Store, slot: int, launched: int, *, joining: bool, backend: str, device: torch.device,
+          timeout: timedelta, lost: LostRanks, heartbeat_timeout: float) -> Membership | None:
+    """This process's membership in a spawned ``--on-failure continue`` job, with its group made: generation 0
+    for the workers started with the job, or the generation a replacement is admitted to (None: the job ended
+    before it was)."""
+    if joining:
+        return join(store, slot, backend=backend, device=device, timeout=timeout, lost=lost,
+                    heartbeat_timeout=heartbeat_timeout, launched=launched)
+    membership = Membership(store, slot, first_generation(launched), backend=backend, device=device,
+                            timeout=timeout, lost=lost, heartbeat_timeout=heartbeat_timeout, launched=launched)
+    membership.make_group()
+    membership.watch()
+    return membership

@@ -1,0 +1,316 @@
+"""The trainer's side of ``--on-failure continue``: go on without a lost worker, and let a replacement in.
+
+The trainer's loop runs inside :meth:`ElasticRun.run`. When a collective fails because a member is gone (its
+connections closed, the heartbeat reported it, or the group was aborted by a peer that noticed first), the loop
+unwinds and the survivors agree on the next membership (:mod:`polytrain.distributed.elastic`). Each reports the
+last step whose state it holds (*committed*):
+
+* ``sync`` commits every step: a step is committed by a rank once its gradients were averaged and applied. A
+  peer that dies inside a step leaves either every survivor short of that step (its gradients never arrived)
+  or some survivors past it (the all-reduce completed, the dead worker's slice included); the group continues
+  from the most advanced survivors' step, the others taking their state. So the step in flight is completed by
+  all survivors or by none, and its examples are used once.
+* ``local-sgd`` and ``diloco`` commit at sync points: each rank keeps a copy of its state there (parameters,
+  inner and outer optimizer; one model and optimizer copy in memory). A death inside a round loses that
+  round's work of every replica: the survivors return to the round's start and train it again over fewer
+  slices (the round in flight is redone by all survivors, or, if its sync point had completed somewhere,
+  completed by all).
+
+Then every member builds the strategy again over the new group (DDP wraps the same module again), the state to
+continue from is sent from a member that holds it to those that do not (a replacement, or a rank behind) with
+one broadcast over the new group, and the loop goes on from that step with the same global batches cut into as
+many slices as there are members (differing by one example at most when they do not divide). Nothing is read
+from disk. A replacement waiting to join is looked for at step boundaries (every step for ``sync``, at sync
+points otherwise): rank 0 reads one store counter, and one one-element all-reduce tells the others.
+
+``--log-example-ids``: the survivors' records of the steps since the last log point are written at the change;
+a lost worker's slices of committed steps are the ones the plan gave it (it cannot report them), listed under
+``unobserved`` (their slice indices).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from polytrain.data.batches import Slice
+from polytrain.distributed.elastic import Excluded, Generation, Membership
+from polytrain.errors import CommunicationError
+from polytrain.log import get_logger
+from polytrain.train.faults import agree_with_rank0
+from polytrain.train.lr_schedules import scaled_lr
+from polytrain.train.on_failure import continuing
+from polytrain.train.optim import build_optimizer
+
+#: what a collective raises when a member is gone (gloo's words, c10d's errors)
+_LOST_HINTS = ("connection", "gloo", "timed out", "peer", "socket", "broken pipe", "abort", "process group",
+               "closed", "reset")
+
+
+class Regrow(Exception):
+    """A replacement is waiting: every member leaves the loop at this step boundary to admit it."""
+
+
+def slice_of(rank: int, count: int, global_batch: int) -> Slice:
+    """Rank ``rank``'s slice of a global batch cut into ``count`` slices (equal, or differing by one example)."""
+    if global_batch % count == 0:
+        return Slice(rank, count)
+    base, extra = divmod(global_batch, count)
+    return Slice(rank, count, tuple(base + (i < extra) for i in range(count)))
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing for a member that is gone, rather than an error of this rank's."""
+    if isinstance(exc, (CommunicationError, torch.distributed.DistError)) and not isinstance(exc, Excluded):
+        return True
+    return isinstance(exc, RuntimeError) and any(hint in str(exc).lower() for hint in _LOST_HINTS)
+
+
+class ElasticRun:
+    """One rank's ``--on-failure continue`` state: its membership, its committed step (and, between sync points,
+    the state there), and the changes so far."""
+
+    def __init__(self, trainer: Any, membership: Membership):
+        self.trainer, self.membership = trainer, membership
+        self.session = trainer.session
+        self.committed = self.session.start_step
+        self.snapshot: dict[str, Any] | None = None
+        self.changes: list[dict[str, Any]] = []
+        self._carry: tuple[Any, ...] | None = None  # a change under way: the state it continues from
+        self._remember(trainer.strategy)
+        self._use(trainer.strategy)
+        generation = membership.generation
+        if generation.number:  # a replacement: the others are waiting to hand it the state, then the ids noted
+            self._receive_into(trainer.strategy, generation)
+            self._write_ids([], None, generation, generation)
+        self._keep(trainer.strategy)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def run(self, loop: Callable[[], dict[str, Any]], run_log: Any) -> dict[str, Any]:
+        failed: bool | None = None  # a change is due: after a failure (True) or to admit a joiner (False)
+        while True:
+            try:
+                if failed is not None:
+                    self._change(run_log, failed)
+                    failed = None
+                summary = loop()
+                break
+            except Regrow:
+                failed = False
+            except Exception as exc:
+                if not lost_peer(exc):
+                    raise
+                exc.__traceback__ = None  # its frames hold the old group's objects
+                failed = True
+        if self.trainer.topology.is_main:
+            self.membership.close()
+        summary["membership_changes"] = self.changes
+        summary["slots_lost"] = [slot for c in self.changes for slot in c["lost"]]
+        summary["slots_joined"] = [slot for c in self.changes for slot in c["joined"]]
+        return summary
+
+    def _wrap(self, strategy: Any) -> None:
+        """Count committed steps, keep the state at sync points, and look for joiners at step boundaries."""
+        inner, layout = strategy.train_step, strategy.layout
+        trainers = strategy.trainers
+
+        def train_step(batch: Any, lr: float) -> Any:
+            if layout.meets_at(batch.step) and batch.step > self.committed - 1 and self._joiner_waiting(trainers):
+                raise Regrow()
+            result = inner(batch, lr)
+            if layout.meets_at(batch.step + 1):
+                self.committed = batch.step + 1
+                self._keep(strategy)
+            return result
+
+        strategy.train_step = train_step
+
+    def _joiner_waiting(self, trainers: Any) -> bool:
+        mine = trainers.is_main and self.membership.joiners_waiting()
+        return agree_with_rank0(trainers)(mine)
+
+    def _keep(self, strategy: Any) -> None:
+        """The committed state: ``sync``'s is the live one; between sync points a copy is kept."""
+        self.snapshot = None if strategy.layout.meets_every == 1 else _clone(local_state(strategy))
+
+    def _committed_state(self, strategy: Any) -> dict[str, Any]:
+        return self.snapshot if self.snapshot is not None else _clone(local_state(strategy))
+
+    # -- a change of membership ---------------------------------------------------------------------------
+
+    def _change(self, run_log: Any, failed: bool) -> None:
+        """Agree on the next membership, rebuild over it and load the state to continue from. A failure on the way
+        (another member lost meanwhile) raises, and the next call starts again from the same committed state."""
+        started = time.perf_counter()
+        self.membership.abort_group(cut=failed)  # first: peers blocked on this rank are released
+        trainer, s = self.trainer, self.session
+        if self._carry is None:  # what the committed state and the noted example ids are, once per change
+            old = trainer.strategy
+            ids = getattr(trainer, "ids", None)
+            self._carry = (self._committed_state(old), list(getattr(ids, "pending", [])),
+                           getattr(ids, "slice_index", None), self.membership.generation)
+        if trainer.strategy is not None:
+            old = trainer.strategy
+            trainer.strategy = s.strategy = s.model = None
+            _release(old)
+            del old  # DDP's reducer (its hooks on the parameters) goes with its last reference: nothing holds it
+        state, pending, old_index, old_generation = self._carry
+        generation = self.membership.change(self.committed, cut=failed)
+        strategy = self._rebuild()
+        self._receive_into(strategy, generation, state)
+        self._carry = None
+        self._keep(strategy)
+        self._write_ids(pending, old_index, old_generation, generation)
+        seconds = time.perf_counter() - started
+        record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
+                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
+        self.changes.append(record)
+        if trainer.topology.is_main:
+            run_log._write({"event": "membership", **record, "unix_time": time.time()})
+            what = []
+            if generation.lost:
+                what.append(f"worker slot(s) {', '.join(map(str, generation.lost))} lost")
+            if generation.joined:
+                what.append(f"replacement(s) for slot(s) {', '.join(map(str, generation.joined))} joined")
+            get_logger().warning(f"{'; '.join(what) or 'membership renewed'}: going on with {len(generation.slots)} "
+                                 f"workers from step {generation.step} (agreed and rebuilt in {seconds:.2f} s; "
+                                 "nothing read from disk)")
+
+    def _rebuild(self) -> Any:
+        """This rank's strategy again, over the new generation's group, around the same module."""
+        trainer, s, cfg = self.trainer, self.session, self.trainer.config
+        topology = self.membership.topology()
+        layout = self._cls.layout(topology.world_size, self._options)
+        strategy = self._cls(topology, self._options, layout)
+        lr = scaled_lr(cfg.optim.lr, cfg.optim.lr_scaling, s.plan.global_batch, cfg.optim.base_batch_size)
+        from polytrain.train.session import _place
+
+        strategy.prepare(self._module, lambda params: build_optimizer(params, cfg.optim, lr), self._recipe,
+                         place=lambda m: _place(s.devices, cfg, strategy, m))
+        strategy.phase = s.devices.phase
+        self._use(strategy)
+        return strategy
+
+    def _use(self, strategy: Any) -> None:
+        trainer, s = self.trainer, self.session
+        trainers = strategy.trainers
+        s.strategy, s.model, s.topology = strategy, strategy.model, strategy.topology
+        s.slice = slice_of(trainers.rank, trainers.world_size, s.plan.global_batch)
+        s.step_slices = s.slice
+        trainer.strategy, trainer.topology = strategy, trainers
+        trainer.stopping = trainer.stop.agreement(trainers.rank, trainers.world_size, trainers.timeout)
+        self._wrap(strategy)
+
+    def _receive_into(self, strategy: Any, generation: Generation, mine: dict[str, Any] | None = None) -> None:
+        """Load the state to continue from: this rank's own, or (a replacement, a rank behind) the source's,
+        broadcast over the new group."""
+        trainers, slot = strategy.trainers, self.membership.slot
+        if generation.anyone_needs_state:
+            sent = trainers.broadcast_object(mine if trainers.rank == generation.source() else None,
+                                             generation.source())
+            state = sent if generation.needs_state(slot) else mine
+        else:
+            state = mine
+        assert state is not None
+        strategy.load_state_dict(state)
+        strategy.amp.load_state_dict(state)
+        self.committed = generation.step
+        self.session.start_step = generation.step
+        self._remember(strategy)
+
+    def _remember(self, strategy: Any) -> None:
+        """What a rebuild needs of the strategy that goes away."""
+        self._cls = type(strategy)
+        self._options, self._recipe, self._module = strategy.options, strategy.recipe, strategy.module
+
+    # -- --log-example-ids --------------------------------------------------------------------------------
+
+    def _write_ids(self, pending: list[tuple[int, list[int]]], old_index: int | None,
+                   old: Generation, new: Generation) -> None:
+        """The steps noted since the last log point, committed ones only, with a lost worker's slices from the
+        plan; a collective over the new group (a replacement takes part with nothing)."""
+        if not self.trainer.config.data.log_example_ids:
+            return
+        trainers, plan = self.trainer.topology, self.session.plan
+        kept = [(step, part) for step, part in pending if step < new.step]
+        noted = trainers.all_gather_object((old_index, kept) if old_index is not None else (None, []))
+        if not trainers.is_main:
+            return
+        by_step: dict[int, dict[int, list[int]]] = {}
+        for index, steps in noted:
+            for step, part in steps:
+                by_step.setdefault(step, {})[index] = part
+        lines = []
+        for step in sorted(by_step):
+            parts, everyone = by_step[step], plan.global_indices(step)
+            unobserved = [i for i in range(len(old.slots)) if i not in parts]
+            for i in unobserved:
+                parts[i] = slice_of(i, len(old.slots), plan.global_batch).take(everyone).tolist()
+            line = {"step": step + 1, "epoch": plan.position(step)[0],
+                    "ids": [i for index in sorted(parts) for i in parts[index]]}
+            if unobserved:
+                line["unobserved"] = unobserved
+            lines.append(json.dumps(line) + "\n")
+        path = Path(self.trainer.config.data.log_example_ids)
+        with open(path, "a") as fh:
+            fh.writelines(lines)
+
+
+def local_state(strategy: Any) -> dict[str, Any]:
+    """This rank's model and optimizer state (diloco: with its anchor and outer optimizer), without a collective."""
+    state = {"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+             **strategy.amp.state_dict()}
+    outer = getattr(strategy, "outer", None)
+    if outer is not None:
+        state["outer"] = {"anchor": list(strategy._anchor), "optimizer": outer.state_dict()}
+    return state
+
+
+def _clone(state: Any) -> Any:
+    """A deep copy whose tensors are detached copies (a state_dict's tensors are the live ones)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_clone(v) for v in state)
+    return copy.deepcopy(state)
+
+
+def _release(strategy: Any) -> None:
+    """Drop the old strategy's wrapper (DDP's reducer holds hooks on the parameters until it is freed)."""
+    for name in ("model", "_exchange"):
+        if hasattr(strategy, name):
+            setattr(strategy, name, None)
+
+
+def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:
+    """The trainer's :class:`ElasticRun` under ``--on-failure continue`` (None otherwise)."""
+    if membership is None or not continuing(trainer.config):
+        return None
+    return ElasticRun(trainer, membership)
+
+
+def before_build(config: Any, layout: Any, membership: Membership | None) -> tuple[Any, Any]:
+    """What a replacement builds its session from: the layout of the generation it joins (the global batch still
+    cut as at launch for the checks; the trainer re-cuts it over the members), and no ``--resume``: its state
+    comes from a peer, not from disk."""
+    if membership is None or not membership.generation.number:
+        return config, layout
+    from polytrain.strategies import get_strategy
+    from polytrain.train.session import strategy_options
+
+    cls = get_strategy(config.train.strategy)
+    members = cls.layout(len(membership.generation.slots), strategy_options(config, cls))
+    layout = replace(members, slices=layout.slices) if layout is not None else members
+    if config.checkpoint.resume:
+        config = copy.deepcopy(config)
+        config.checkpoint.resume = False
+    return config, layout

@@ -1,0 +1,83 @@
+"""``--on-failure stop|continue``: what a data-parallel job does when a worker dies.
+
+``stop`` (the default): every worker is stopped, and ``--max-restarts`` starts the job again from its latest
+checkpoint. ``continue``: the survivors agree on who is left, make a new process group over themselves and go
+on from the current step with the same global batch cut into fewer slices; with ``--max-restarts R`` the
+launcher starts a replacement for each lost worker (up to R), which the others admit at a step boundary and
+hand the model, the optimizer and the data position over the process group (:mod:`polytrain.train.elastic`,
+:mod:`polytrain.distributed.elastic`).
+
+This module holds the option, the checks made before anything starts, and the launch settings that follow.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from polytrain.errors import ConfigError
+from polytrain.options import option, register_section
+
+CHOICES = ("stop", "continue")
+#: the strategies whose survivors can go on: every rank a whole replica (fsdp's shards of a dead rank are gone)
+SUPPORTED = ("sync", "local-sgd", "diloco")
+
+
+@register_section("on_failure", "what happens when a worker dies", order=86)
+@dataclass
+class OnFailureConfig:
+    on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
+                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: the others "
+                                     "go on from the current step with the same global batch over fewer workers; "
+                                     "with --max-restarts R a replacement joins, up to R times)", choices=CHOICES)
+
+
+def continuing(config: Any) -> bool:
+    section = getattr(config, "on_failure", None)
+    return section is not None and section.on_failure == "continue"
+
+
+def check_on_failure(config: Any, layout: Any) -> None:
+    """One line for a setting ``--on-failure continue`` cannot work with, before anything starts."""
+    if not continuing(config):
+        return
+    strategy = config.train.strategy
+    if strategy == "fsdp":
+        raise ConfigError("--on-failure continue: --strategy fsdp keeps each parameter and optimizer shard on one "
+                          "worker only, so a dead worker's shards are gone; use --on-failure stop with "
+                          "--max-restarts and checkpoints, or --strategy sync")
+    if strategy not in SUPPORTED:
+        raise ConfigError(f"--on-failure continue works with --strategy {', '.join(SUPPORTED)}, not {strategy}; "
+                          "use --on-failure stop (with --max-restarts to restart from checkpoints)")
+    if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
+        raise ConfigError("--on-failure continue needs polytrain's own launcher (--workers N): under torchrun the "
+                          "agent restarts every worker when one dies; use --on-failure stop there")
+    if layout.processes < 2:
+        raise ConfigError("--on-failure continue needs at least 2 workers (--workers N)")
+    if config.launch.heartbeat_timeout <= 0:
+        raise ConfigError("--on-failure continue needs the heartbeat (--heartbeat-timeout > 0): a worker that "
+                          "stops answering is found by it")
+    sync = getattr(config, "sync", None)
+    if strategy == "sync" and sync is not None:
+        if sync.comm == "shm":
+            raise ConfigError("--on-failure continue: --comm shm cannot be rebuilt over the survivors; use "
+                              "--comm auto or backend")
+        if sync.balance != "off":
+            raise ConfigError(f"--on-failure continue: --balance {sync.balance} is not supported (the slices are "
+                              "re-cut over the survivors); use --balance off")
+
+
+def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
+    """The config and layout to launch an ``--on-failure continue`` job with: every worker but rank 0 may be
+    lost, the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
+    sync averages through the process group (shared memory cannot be rebuilt over the survivors)."""
+    if not continuing(config):
+        return config, layout
+    config = copy.deepcopy(config)
+    config.data.batch_size, config.data.worker_batch_size = config.global_batch(layout.slices), None
+    sync = getattr(config, "sync", None)
+    if sync is not None and sync.comm == "auto":
+        sync.comm = "backend"
+    return config, replace(layout, expendable=tuple(range(1, layout.processes)))
