@@ -1,0 +1,147 @@
+"""--on-failure continue: 4 workers, one SIGKILLed, the survivors go on without a restart and a replacement
+joins; the run trains exactly the global batches an uninterrupted run does, and its model and losses equal a
+chain of runs that trained the same batches on 4 workers up to the committed step, 3 from there to the step the
+replacement joined, and 4 again to the end (checkpoints between them; `--comm backend`, as the elastic run's
+sync averages through the process group). The settings it cannot work with are one line before anything
+starts."""
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.data.buckets import batch_plan
+from polytrain.data.registry import build_data
+from polytrain.errors import ConfigError
+from polytrain.train.example_ids import read
+from polytrain.train.faults import KILL_ENV
+
+STEPS, BATCH = 40, 48  # 48 cuts into 4 and 3 slices; enough steps after the kill for the replacement to join
+BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=BATCH, lr=0.05, log_every=1, eval_every=0,
+            progress="off", heartbeat_timeout=3)
+STRATEGIES = {
+    "sync": dict(strategy="sync"),
+    # plain inner SGD: a checkpoint keeps rank 0's inner optimizer state only, so the chain's resumes equal the
+    # elastic run's rounds only without per-worker inner state
+    "diloco": dict(strategy="diloco", sync_every=2, momentum=0.0),
+}
+
+
+def _records(path: Path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(path) if r.get("event") == "step"}
+
+
+def _workers_left() -> list[int]:
+    """Worker processes (named polytrain-rN) descending from this one."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/comm") as fh:
+                parents[int(pid)] = (int(fields[1]), fh.read().strip())
+        except OSError:
+            continue
+
+    def mine(pid: int) -> bool:
+        while pid in parents and pid > 1:
+            pid = parents[pid][0]
+            if pid == os.getpid():
+                return True
+        return False
+
+    return [pid for pid, (_, name) in parents.items() if name.startswith("polytrain-r") and mine(pid)]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_3_then_4_workers(tmp_path, monkeypatch,
+                                                                                                  name):
+    settings = {**BASE, **STRATEGIES[name]}
+    killed = random.Random().randint(3, 8)  # a chosen step: inside a round or at a sync point for diloco
+    monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
+    started = time.monotonic()
+    summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", max_restarts=1,
+                            metrics_file=str(tmp_path / "elastic.jsonl"),
+                            log_example_ids=str(tmp_path / "elastic-ids.jsonl"),
+                            save_model=str(tmp_path / "elastic.pt"), **settings)
+    took = time.monotonic() - started
+    monkeypatch.delenv(KILL_ENV)
+    where = f"{name}, rank 3 killed after step {killed}"
+    assert not _workers_left(), where
+    assert took < 60, where
+    assert summary["steps"] == STEPS and summary["workers"] == 4, where
+    assert not summary.get("restarts") and summary["slots_lost"] == [3] and summary["slots_joined"] == [3], where
+    records = _records(tmp_path / "elastic.jsonl")
+    assert not [r for r in records if r.get("event") == "restart"], where
+    changes = [r for r in records if r.get("event") == "membership"]
+    lost = next(c for c in changes if c["lost"])
+    joined = next(c for c in changes if c["joined"])
+    assert lost["lost"] == [3] and joined["joined"] == [3] and changes[-1]["workers"] == 4, (where, changes)
+    # the step the survivors went on from: the kill's (sync commits every step; the dead rank finished it), or
+    # for diloco the round's start, where the replicas last met
+    committed = killed if name == "sync" else killed // 2 * 2
+    assert lost["step"] == committed, (where, changes)
+    assert lost["seconds"] < settings["heartbeat_timeout"], (where, changes)
+
+    # the chain: the same workers over the same steps as the elastic run (4 to the committed step, 3 to the step
+    # the replacement joined at, 4 to the end), each part resuming the one before from its last checkpoint
+    chain = dict(checkpoint_dir=str(tmp_path / "ck"), metrics_file=str(tmp_path / "chain.jsonl"),
+                 log_example_ids=str(tmp_path / "chain-ids.jsonl"), **settings)
+    if name == "sync":
+        chain["comm"] = "backend"
+    workers, done = 4, 0
+    for change in changes:
+        if change["step"] > done:
+            polytrain.fit(workers=workers, steps=change["step"], resume=done > 0, **chain)
+            done = change["step"]
+        workers = change["workers"]
+    polytrain.fit(workers=workers, steps=STEPS, resume=True, save_model=str(tmp_path / "chain.pt"), **chain)
+
+    mine, theirs = _losses(tmp_path / "elastic.jsonl"), _losses(tmp_path / "chain.jsonl")
+    assert len(mine) >= STEPS - 1, where  # the step the failure struck at may have no record
+    assert all(abs(mine[step] - theirs[step]) <= 1e-6 for step in mine), where
+    model, reference = torch.load(tmp_path / "elastic.pt"), torch.load(tmp_path / "chain.pt")
+    assert all((model[k] - reference[k]).abs().max().item() <= 1e-6 for k in reference), where
+
+    # every global batch of an uninterrupted run, each exactly once (a redone step's later line wins)
+    ids = read(tmp_path / "elastic-ids.jsonl")
+    plan = batch_plan(build_data("digits").train, BATCH, 0)
+    assert sorted(ids) == list(range(1, STEPS + 1)), where
+    assert all(ids[step]["ids"] == plan.global_indices(step - 1).tolist() for step in ids), where
+    assert {s: r["ids"] for s, r in ids.items()} == {s: r["ids"] for s, r in read(tmp_path / "chain-ids.jsonl").items()}
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(strategy="fsdp"), "--strategy fsdp keeps each parameter and optimizer shard on one worker only"),
+    (dict(strategy="pipeline"), "--on-failure continue works with --strategy sync, local-sgd, diloco"),
+    (dict(strategy="sync", comm="shm"), "--comm shm cannot be rebuilt over the survivors"),
+    (dict(strategy="sync", balance="on"), "--balance on is not supported"),
+    (dict(strategy="sync", heartbeat_timeout=0), "needs the heartbeat"),
+    (dict(strategy="sync", workers=1), "needs at least 2 workers"),
+])
+def test_settings_continue_cannot_work_with_are_one_line_before_anything_starts(settings, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        polytrain.fit(data="digits", model="mlp:hidden=8", steps=1, on_failure="continue",
+                      **{"workers": 2, **settings})
+
+
+def test_continue_under_torchrun_is_one_line(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from polytrain.api import make_config
+    from polytrain.distributed.layout import Layout
+    from polytrain.train.on_failure import check_on_failure
+
+    with pytest.raises(ConfigError, match="needs polytrain's own launcher"):
+        check_on_failure(make_config(strategy="sync", on_failure="continue"), Layout.data_parallel("sync", 2))
