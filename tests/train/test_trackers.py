@@ -97,11 +97,14 @@ def _value(item):
 
 def test_a_wandb_offline_run_file_holds_the_config_every_metric_step_the_summary_and_the_model(tmp_path,
                                                                                                 monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default
-    polytrain.fit(tracker=["wandb"], metrics_file=str(tmp_path / "m.jsonl"), save_model=str(tmp_path / "model.pt"),
-                  **BASE)
+    try:
+        polytrain.fit(tracker=["wandb"], metrics_file=str(tmp_path / "m.jsonl"),
+                      save_model=str(tmp_path / "model.pt"), **BASE)
+    finally:
+        wandb.teardown()  # a single-process run is this process: end the W&B service it started
     (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     deadline = time.monotonic() + 30  # W&B's service writes the file out after run.finish() returns
     records = list(_wandb_records(path))
