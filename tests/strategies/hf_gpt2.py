@@ -14,3 +14,18 @@ def gpt2(num_classes: int = 256, seq_len: int = 16, layers: int = 4, dim: int = 
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     return model
+
+
+class _Branchy(GPT2LMHeadModel):
+    """Its forward takes a branch on its inputs' values: torch.export cannot trace it into one graph."""
+
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids.sum() > 0:
+            input_ids = input_ids.flip(1)
+        return super().forward(input_ids, **kwargs)
+
+
+def branchy(num_classes: int = 256, seq_len: int = 16) -> GPT2LMHeadModel:
+    model = gpt2(num_classes, seq_len, layers=2)
+    model.__class__ = _Branchy
+    return model

@@ -14,6 +14,7 @@ optimizer state and activations, estimated from the model built on the meta devi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ examples:
   polytrain plan --strategy tp --workers 4 --tp 2 --model transformer_lm --data text
   polytrain plan --strategy pipeline --stages 4 --microbatches 8 --schedule interleaved-1f1b --json
   polytrain plan --strategy fsdp --workers 4 --model transformer_lm --data text --optimizer adam
+  polytrain plan --strategy pipeline --stages 2 --model my_models:gpt2 --data text --split-at transformer.h.2
 """
 
 
@@ -56,10 +58,12 @@ def run(args: argparse.Namespace) -> int:
     layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
     check_settings_read(config, get_strategy(config.train.strategy), registered())
     schedule = _schedule(config, layout)
+    traced_split = _traced_split(config, layout)  # a model the tracer cuts: where, and what each stage holds
     tp_plan = _tp_plan(config, layout)
     memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
     if getattr(args, "json", False):
         print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {}),
+                          **({"traced_split": dataclasses.asdict(traced_split)} if traced_split else {}),
                           **({"tp_plan": tp_plan[0].as_dict()} if tp_plan else {}),
                           "memory": memory.as_dict()}, indent=2))
         return 0
@@ -72,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
         print()
         print(plan.chart(schedule["schedule"], schedule["ranks"], schedule["microbatches"]))
+    if traced_split:
+        from polytrain.strategies.pipeline import plan
+
+        print()
+        print(traced_split.describe([plan.stage_rank(s, layout.axis("pp"), "loop")
+                                     for s in range(len(traced_split.stage_names))]))
     print()
     print(memory.describe())
     return 0
@@ -87,6 +97,15 @@ def _tp_plan(config: Any, layout: Any) -> tuple[Any, Any] | None:
     model = meta_model(config)
     plan = check_tp(config, model, layout.axis("tp"))
     return (plan, model) if plan is not None else None
+
+
+def _traced_split(config: Any, layout: Any) -> Any:
+    """Where the tracer would cut a model that is not a chain of units, where the layout has a ``pp`` axis."""
+    if layout.axis("pp") == 1:
+        return None
+    from polytrain.strategies.pipeline.traced_run import plan_split
+
+    return plan_split(config, layout)
 
 
 def _schedule(config: Any, layout: Any) -> dict[str, Any] | None:

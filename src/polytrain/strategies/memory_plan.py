@@ -546,9 +546,14 @@ class _Context:
     def _pipeline(self) -> list[RankMemory]:
         from polytrain.strategies.pipeline import plan, split
 
+        from polytrain.strategies.pipeline.traced_run import chain_kind, must_trace
+
         opts = self.config.pipeline
         info = plan.schedule_info(opts.schedule)
         pp, dp = self.layout.axis("pp"), self.layout.axis("dp")
+        if not chain_kind(self.model) or must_trace(self.model, split.parse_split(opts.split_at),
+                                                    self.config.train.loss):
+            return self._traced_pipeline()  # cut by the tracer (strategies/pipeline/traced.py)
         stages = pp * info.chunks
         parts = split.units(self.model)
         names = [name for name, _ in parts]
@@ -583,6 +588,28 @@ class _Context:
             out.append(self.rank(rank, holds, tensors, held[me]))
         return out
 
+
+    def _traced_pipeline(self) -> list[RankMemory]:
+        """A model the tracer cuts: each rank its stages' tensors (a tensor tied across stages on each rank
+        using it), activations not estimated."""
+        from polytrain.strategies.pipeline import plan
+        from polytrain.strategies.pipeline.traced_run import plan_split
+
+        chosen = plan_split(self.config, self.layout)
+        names: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        aliases = {group[0]: group for group in names.values()}
+        pp = self.layout.axis("pp")
+        self.notes.append("pipeline (traced): each rank makes only its stages' tensors, with single's values "
+                          "(a map of the model's build on the meta device first); activations not estimated")
+        out = []
+        for rank in range(self.layout.processes):
+            me = rank % pp
+            prefixes = tuple(f"{n}." for n in chosen.stage_names[me])
+            tensors = [t for t in self.tensors if any(a.startswith(prefixes) for a in aliases.get(t.name, [t.name]))]
+            out.append(self.rank(rank, f"stage {me} ({_span(list(chosen.stage_names[me]))})", tensors, None))
+        return out
 
     def _pipeline_build_note(self, per_unit: list[list[Any]]) -> str:
         """How a pipeline rank comes to hold only its stages: made unit by unit, or the whole model first."""

@@ -253,7 +253,8 @@ def described(pipe: Any, chosen: TracedSplit, model: nn.Module) -> TracedSplit:
             if unit not in held:
                 held.append(unit)
         names.append(tuple(held))
-        params.append(sum(p.numel() for p in module.parameters()))
+        own = {id(model.get_parameter(n)): p.numel() for n, p in module.named_parameters(remove_duplicate=False)}
+        params.append(sum(own.values()))  # a tied tensor once, whichever names it holds it under
     return TracedSplit(chosen.starts, chosen.how, tuple(names), tuple(params), chosen.stage_ms)
 
 

@@ -249,3 +249,34 @@ class TracedRun:
                 logits = out[1] if isinstance(out, (tuple, list)) else out
                 pieces.append(logits[:real])
         return torch.cat(pieces) if pieces else None
+
+
+def plan_split(config: Any, layout: Any) -> traced.TracedSplit | None:
+    """For ``polytrain plan``: the split the tracer would make of ``config``'s model, traced on the meta
+    device (nothing allocated; ``auto`` balances the layers' parameters, as a run does for a model it builds
+    on the meta device); None for a model cut as a chain of units. One ConfigError line where a run would
+    refuse the split."""
+    from polytrain.data.registry import build_data
+    from polytrain.models.registry import build_model
+    from polytrain.strategies.pipeline import plan
+    from polytrain.tasks import get_task
+
+    data = build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+    name = data.default_model if config.model.model == "auto" else config.model.model
+    with torch.device("meta"):
+        model = build_model(name, config.model.model_args, input_shape=data.input_shape,
+                            num_classes=data.num_outputs)
+    opts, loss = config.pipeline, config.train.loss
+    starts = split.parse_split(opts.split_at)
+    if chain_kind(model) and not must_trace(model, starts, loss):
+        return None
+    stages = layout.axis("pp") * plan.schedule_info(opts.schedule).chunks
+    micro = max(1, config.global_batch(layout.slices) // layout.axis("dp") // opts.microbatches)
+    x, y = data.train[0]
+    sample = torch.as_tensor(x).unsqueeze(0).expand(micro, *torch.as_tensor(x).shape).to("meta")
+    kwargs = {}
+    if loss == "model":
+        targets = torch.as_tensor(y).unsqueeze(0).expand(micro, *torch.as_tensor(y).shape).to("meta")
+        kwargs["labels"] = get_task(data.task).model_labels(sample, targets)
+    chosen = traced.choose(model, sample, kwargs, stages, starts)
+    return traced.described(traced.trace(model, sample, kwargs, chosen, loss, name), chosen, model)
