@@ -73,7 +73,7 @@ class SlurmCluster:
         for name in ("state", "spool", "log"):
             (self.dir / name).mkdir()
         ctld_port, slurmd_port = _free_ports(2)
-        host = socket.gethostname()
+        host = socket.gethostname().split(".")[0]  # slurmd finds its node by the short host name
         self.conf.write_text("\n".join([
             "ClusterName=polytrain-test", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", f"AuthInfo=socket={self.socket}", "CredType=cred/munge",
