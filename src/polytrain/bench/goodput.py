@@ -223,7 +223,8 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
     if ended_early is not None:
         tail = "\n".join((workdir / f"{side}.log").read_text().strip().splitlines()[-15:])
         raise BenchError(f"the {side} job ended by itself after {wall:.0f} s (exit code {ended_early}):\n{tail}")
-    events = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "step"' not in line]
+    lines = metrics.read_text().splitlines() if metrics.exists() else []  # (none: it never reached a step)
+    events = [json.loads(line) for line in lines if '"event": "step"' not in line]
     for kill in kills:  # what the failure cost: from the kill until the job is back at the step it had reached
         back = next((t for t, step in samples if t > kill["at_s"] and step > kill["step"]), None)
         kill["back_after_s"] = None if back is None else round(back - kill["at_s"], 2)
