@@ -255,15 +255,32 @@ def run_suite(cfg: GoodputBenchConfig, progress: Callable[[str], None] = lambda 
         for side in sides:
             progress(f"{side}: {cfg.duration:g} s" + (f", a worker killed every {cfg.failure_every:g} s"
                                                         if side != "undisturbed" else ""))
-            results.append(run_side(cfg, side, workdir or Path(tmp), progress))
+            try:
+                results.append(run_side(cfg, side, workdir or Path(tmp), progress))
+            except BenchError as exc:  # the other jobs' results are still worth having
+                skipped[side] = f"failed: {exc}"
+                progress(f"  {side}: {exc}")
+                continue
             progress(f"  {side}: {results[-1]['useful_steps']} useful steps in {results[-1]['wall_s']:.0f} s")
     base = next((r for r in results if r["side"] == "undisturbed"), None)
     for r in results:
         r["goodput"] = round(r["useful_steps"] / base["useful_steps"], 4) if base and base["useful_steps"] else None
         r["target"] = TARGETS.get(r["side"])
+        lost_time(r)
     return {"suite": "goodput", "config": {**asdict(cfg), "sides": list(cfg.sides)}, "results": results,
             "skipped": skipped, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def lost_time(r: dict[str, Any]) -> None:
+    """A second reading, from within the job alone (so not moved by a load that changed between jobs): the
+    seconds its failures cost (each kill until the job was back at the step it had reached) and the share of
+    its training time (from its first step) they leave."""
+    costs = [k["back_after_s"] for k in r["kills"] if k.get("back_after_s") is not None]
+    first = next((t for t, step in r.get("progress", []) if step > 0), None)
+    r["lost_s"] = round(sum(costs), 1) if r["kills"] else 0.0
+    training = r["wall_s"] - first if first is not None else None
+    r["goodput_by_lost_time"] = round(1 - r["lost_s"] / training, 4) if training else None
 
 
 def describe(cfg: GoodputBenchConfig) -> str:
@@ -277,13 +294,18 @@ def format_text(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     lines = [f"goodput over {cfg['duration']:g} s per job, a worker killed every {cfg['failure_every']:g} s, "
              f"{cfg['workers']} workers ({doc['machine']['cpus']} CPUs), {doc['date']}", "",
-             "| job | useful steps | steps/s | goodput | kills | restarts | load before -> after |",
-             "|---|---|---|---|---|---|---|"]
+             "| job | useful steps | steps/s | goodput | kills | restarts | s lost to failures | 1 - lost / training s "
+             "| load before -> after |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         good = "1 (reference)" if r["side"] == "undisturbed" else (
             f"{r['goodput']:.3f}" + (f" (target {r['target']})" if r["target"] else ""))
+        if "lost_s" not in r:
+            lost_time(r)
+        by_lost = "-" if r["goodput_by_lost_time"] is None or not r["kills"] else f"{r['goodput_by_lost_time']:.3f}"
         lines.append(f"| {r['side']} | {r['useful_steps']} | {r['useful_steps_per_s']:.2f} | {good} | "
-                     f"{len(r['kills'])} | {r['restarts']} | {r['load_1min_before']} -> {r['load_1min_after']} |")
+                     f"{len(r['kills'])} | {r['restarts']} | {r['lost_s']:.0f} | {by_lost} | "
+                     f"{r['load_1min_before']} -> {r['load_1min_after']} |")
     for side, why in doc["skipped"].items():
         lines.append(f"\nnot run: {side} ({why})")
     return "\n".join(lines)
