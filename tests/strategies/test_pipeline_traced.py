@@ -106,3 +106,31 @@ def test_plan_prints_the_traced_split_and_each_ranks_part(capsys):
            "  stage 0 (rank 0): transformer.wte .. lm_head (5 modules), 34,112 parameters\n" \
            "  stage 1 (rank 1): transformer.h.2 .. lm_head (4 modules), 33,664 parameters\n" in out
     assert "  0     stage 0 (transformer.wte .. lm_head)  133.2 KiB" in out  # 34,112 float32 parameters
+
+
+def test_split_points_out_of_order_too_many_stages_or_never_called_are_one_line_each():
+    from torch import nn
+
+    from polytrain.strategies.pipeline import traced
+    from tests.strategies.hf_gpt2 import gpt2
+
+    with torch.device("meta"):
+        model = gpt2(layers=4)
+    with pytest.raises(ConfigError, match=r"^--split-at transformer\.h\.3,transformer\.h\.1: split points must be "
+                                          r"distinct and in the model's order of modules$"):
+        traced.check_starts(model, ["transformer.h.3", "transformer.h.1"], 3)
+    with pytest.raises(ConfigError, match=r"^--split-at auto: 5 stages but the model's longest list of layers "
+                                          r"\(transformer\.h\) has 4; use fewer stages or name the split points"):
+        traced.check_auto(model, 5)
+
+    class Unused(nn.Module):  # c is never called: a split there makes no stage
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(ConfigError, match=r"^--split-at c: the traced forward gives 1 stages, not 2 \(a split "
+                                          r"point that the forward calls more than once, or not at all\)"):
+        traced.trace(Unused(), torch.randn(2, 4), {}, traced.TracedSplit(("c",), "--split-at"), "task", "Unused")
