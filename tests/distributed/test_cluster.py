@@ -47,6 +47,7 @@ def test_tasks_on_several_nodes_meet_at_the_first_node_of_the_step():
     placement = placement_from(env)
     assert (placement.rank, placement.world_size, placement.local_rank, placement.local_world_size) == (4, 5, 0, 1)
     assert placement.master_addr == "gpu07"
+    assert placement.peer == "gpu07"  # a node other than this one (vm), whose route names gloo's interface
     assert placement_from(dict(env, MASTER_ADDR="10.0.0.7", MASTER_PORT="29400")).master_addr == "10.0.0.7"
     assert placement_from(dict(env, MASTER_ADDR="10.0.0.7", MASTER_PORT="29400")).master_port == 29400
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import zlib
 from dataclasses import dataclass
 from typing import Callable, MutableMapping
 
+from polytrain.distributed.rendezvous import interface_towards
 from polytrain.errors import ConfigError
 
 #: set by :func:`adopt` to the scheduler whose environment was read ("slurm", "mpi")
@@ -49,6 +51,7 @@ class Placement:
     master_addr: str
     master_port: int
     restart_count: int = 0
+    peer: str | None = None  # a host of another node of the job (Slurm), to find the interface that reaches it
 
     def torchrun_env(self) -> dict[str, str]:
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
@@ -102,6 +105,10 @@ def adopt(environ: MutableMapping[str, str] | None = None) -> Placement | None:
     placement = placement_from(env)
     if placement is not None:
         env.update(placement.torchrun_env())
+        if placement.peer and "GLOO_SOCKET_IFNAME" not in env:
+            interface = interface_towards(placement.peer)
+            if interface:  # gloo on the interface the other nodes are reached by (the first node's own name
+                env["GLOO_SOCKET_IFNAME"] = interface  # may resolve to loopback there, as Debian's /etc/hosts has it)
     return placement
 
 
@@ -147,11 +154,15 @@ def _slurm(env: MutableMapping[str, str]) -> Placement | None:
             raise ConfigError("srun: SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are empty, so the first node is "
                               "unknown; set MASTER_ADDR to the host of task 0")
         address = hosts[0]
+    peer = None
+    if nodes > 1:
+        here = socket.gethostname().split(".")[0]
+        peer = next((host for host in expand_nodelist(nodelist) if host.split(".")[0] != here), None)
     # another port per requeue: the last run's may still be held by the kernel (TIME_WAIT)
     port = _port(env, f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
                       f".{env.get('SLURM_RESTART_COUNT', '0')}")
     return Placement("slurm", rank, world, local_rank, local_world, address, port,
-                     _int(env, "SLURM_RESTART_COUNT", 0))
+                     _int(env, "SLURM_RESTART_COUNT", 0), peer)
 
 
 def _mpi(env: MutableMapping[str, str], rank_key: str, size_key: str, local_rank_key: str, local_size_key: str,

@@ -19,7 +19,7 @@ from polytrain.distributed.context import WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.cluster import failure_hook, scheduler
-from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface
+from polytrain.distributed.rendezvous import StoreServer, connect_store, gloo_interface, is_loopback
 from polytrain.distributed.stop import StopSignal, exit_at_once
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError
@@ -94,10 +94,15 @@ def scheduler_store(rank: int, timeout: timedelta) -> StoreServer | None:
         return None
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
-        return StoreServer(timeout, socket.gethostbyname(address), port)
+        bind = socket.gethostbyname(address)
     except OSError as exc:
         raise ConfigError(f"rank 0 cannot find the rendezvous host {address}: {exc}; set MASTER_ADDR to the "
                           "host of rank 0") from None
+    several = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if several and is_loopback(bind):  # a node's own name that resolves to 127.0.1.1 here (Debian's /etc/hosts),
+        bind = "0.0.0.0"               # but to its network address on the other nodes: listen where they reach it
+    try:
+        return StoreServer(timeout, bind, port)
     except ConfigError as exc:
         raise ConfigError(f"rank 0 cannot host the rendezvous at {address}:{port} ({exc}); set MASTER_PORT to "
                           "a free port, and MASTER_ADDR to the host rank 0 runs on") from None
