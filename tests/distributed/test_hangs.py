@@ -49,7 +49,7 @@ def test_a_rank_frozen_inside_an_all_reduce_is_named_with_its_collective_by_ever
     ended = time.time()
     frozen = float(mark.read_text())
     message = str(info.value)
-    assert re.search(r"rank 1 \(host .*, pid \d+\) sent no heartbeat for .*; its last collective: inside "
+    assert re.search(r"rank 1 \(host .*, pid \d+\) sent no heartbeat for .*; last reported inside "
                      r"gloo:all_reduce #2 on world, started .* s ago; hang report in .*hang-report.txt", message), message
     assert ended - frozen < BOUND + 5.0, ended - frozen  # the bound, a beat, the launcher's settling second
     text = (tmp_path / REPORT_FILE).read_text()
@@ -57,7 +57,7 @@ def test_a_rank_frozen_inside_an_all_reduce_is_named_with_its_collective_by_ever
     assert sorted(re.match(r"hang report \(rank (\d)", t).group(1) for t in tables) == ["0", "2"], text
     for table in tables:
         assert re.search(r"^\s*1\s+silent \d+\.\d s\s+gloo:all_reduce\s+world\s+2\s+\[3\]\s+waiting", table, re.M), table
-        assert re.search(r"^behind: rank 1 \(host .*\): silent for .*inside gloo:all_reduce #2 on world", table, re.M)
+        assert re.search(r"^behind: rank 1 \(host .*\): silent for .*, last reported inside gloo:all_reduce #2 on world", table, re.M)
         assert len(re.findall(r"^behind:", table, re.M)) == 1, table
     assert leftover_children(os.getpid()) == []
 

@@ -10,7 +10,7 @@ survivor that sees a rank fall silent (or whose collective times out) reads them
        0  this rank     gloo:all_reduce    world     2  [4]    waiting  2.1 s ago
        1  silent 2.7 s  gloo:all_reduce    world     2  [4]    waiting  4.3 s ago
        2  0.3 s ago     gloo:all_reduce    world     2  [4]    waiting  2.0 s ago
-    behind: rank 1 (host vm, pid 123): silent for 2.7 s, inside gloo:all_reduce #2 on world, started 4.3 s ago
+    behind: rank 1 (host vm, pid 123): silent for 2.7 s, last reported inside gloo:all_reduce #2 on world, st...
 
 A rank is *behind* when its heartbeat stopped, or when others wait in an operation of a group that it has not
 reached (a lower sequence number there). Ages add the time since that rank's record was published (on the
@@ -63,7 +63,7 @@ def behind(records: Mapping[int, dict[str, Any] | None], silent: Mapping[int, fl
     for rank, seconds in sorted(silent.items()):
         record = records.get(rank)
         where = "no collective recorded (none published before it fell silent)" if not record else (
-            f"{'inside' if record['running'] else 'after'} {record['op']} #{record['seq']} on {record['group']}, "
+            f"last reported {'inside' if record['running'] else 'after'} {record['op']} #{record['seq']} on {record['group']}, "
             f"started {record['age_s']:.1f} s ago")
         short = short_of(record)
         tail = f"; the others wait in {short[3]} #{short[1]} on {short[0]}" if short else ""

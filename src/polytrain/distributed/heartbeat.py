@@ -265,7 +265,7 @@ class Heartbeat:
         where = verdict.get(error.rank, "").split(", ", 1)[-1]  # (less its silence: the error says it)
         if not where and not path:
             return error
-        return PeerLostError(f"{error}" + (f"; its last collective: {where}" if where else "")
+        return PeerLostError(f"{error}" + (f"; {where}" if where else "")
                              + (f"; hang report in {path}" if path else ""), error.rank)
 
     def explain(self, headline: str) -> str | None:
