@@ -143,5 +143,9 @@ def write(text: str) -> str | None:
 def is_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective that gave up waiting (gloo's 'Timed out waiting', NCCL's watchdog, the
     shared-memory all-reduce's barrier)."""
+    from polytrain.errors import ConfigError
+
+    if isinstance(exc, ConfigError):  # a setting's message may name --timeout: no collective waited
+        return False
     text = f"{type(exc).__name__}: {exc}".lower()
     return "timed out" in text or "timeout" in text or ("did not reach" in text and "within" in text)
