@@ -20,6 +20,7 @@ from polytrain.data.buckets import batch_plan
 from polytrain.data.registry import build_data
 from polytrain.errors import ConfigError
 from polytrain.train.example_ids import read
+from polytrain.train.elastic import JOIN_AT_ENV
 from polytrain.train.faults import KILL_ENV
 
 STEPS, BATCH = 40, 48  # 48 cuts into 4 and 3 slices; enough steps after the kill for the replacement to join
@@ -70,6 +71,7 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
     settings = {**BASE, **STRATEGIES[name]}
     killed = random.Random().randint(3, 8)  # a chosen step: inside a round or at a sync point for diloco
     monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
+    monkeypatch.setenv(JOIN_AT_ENV, str(killed + 5))  # the replacement waits until then: 3 workers meanwhile
     started = time.monotonic()
     summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", max_restarts=1,
                             metrics_file=str(tmp_path / "elastic.jsonl"),
@@ -77,6 +79,7 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
                             save_model=str(tmp_path / "elastic.pt"), **settings)
     took = time.monotonic() - started
     monkeypatch.delenv(KILL_ENV)
+    monkeypatch.delenv(JOIN_AT_ENV)
     where = f"{name}, rank 3 killed after step {killed}"
     assert not _workers_left(), where
     assert took < 60, where
@@ -91,7 +94,8 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
     # the step the survivors went on from: the kill's (sync commits every step; the dead rank finished it), or
     # for diloco the round's start, where the replicas last met
     committed = killed if name == "sync" else killed // 2 * 2
-    assert lost["step"] == committed, (where, changes)
+    assert lost["step"] == committed and lost["workers"] == 3, (where, changes)
+    assert joined["step"] == (killed + 5 if name == "sync" else (killed + 6) // 2 * 2), (where, changes)
     assert lost["seconds"] < settings["heartbeat_timeout"], (where, changes)
 
     # the chain: the same workers over the same steps as the elastic run (4 to the committed step, 3 to the step

@@ -145,9 +145,9 @@ class Membership:
 
         self.lost.listen(lost)
 
-    def change(self, committed: int, cut: bool = True) -> Generation:
-        """Agree on the next generation with the other members (and any joiners waiting), make its group and
-        return it; :class:`Excluded` if the others went on without this process."""
+    def change(self, committed: int, cut: bool = True, admit: bool = True) -> Generation:
+        """Agree on the next generation with the other members (and, with ``admit``, any joiners waiting), make
+        its group and return it; :class:`Excluded` if the others went on without this process."""
         self.abort_group(cut)
         old, number = self.generation, self.generation.number + 1
         self.store.set(self._key(f"g{number}", "arrive", self.slot), str(committed))
@@ -159,8 +159,9 @@ class Membership:
             arrived = self._arrived(number, old.slots)
             missing = [s for s in old.slots if s not in arrived and not self._dead(s)]
             if not missing:
-                proposal = Generation(number, tuple(sorted(set(arrived) | set(self._joiners()))),
-                                      tuple(sorted(arrived.items())), tuple(sorted(self._joiners())),
+                joiners = self._joiners() if admit else []
+                proposal = Generation(number, tuple(sorted(set(arrived) | set(joiners))),
+                                      tuple(sorted(arrived.items())), tuple(sorted(joiners)),
                                       tuple(s for s in old.slots if s not in arrived))
                 self.store.compare_set(decision_key, "", proposal.to_json())
                 break
@@ -176,6 +177,8 @@ class Membership:
                            "its peers had agreed on it without it; leaving")
         for slot in decided.joined:  # (every member writes these: any of them may be the one left)
             self.store.set(self._key("admitted", slot), str(number))
+            with contextlib.suppress(Exception):
+                self.store.delete_key(self._key("dead", slot))  # the launcher's mark was the old process's
             self.lost.revive(slot)  # the heartbeat watches the newcomer in its slot again
         self.generation = decided
         self.make_group()
@@ -205,9 +208,21 @@ class Membership:
         self._joins_seen = count  # every registration so far was admitted
         return False
 
+    def wait_for_joiner(self) -> bool:
+        """While fewer slots train than at launch, wait (up to --timeout) for a replacement to register (tests:
+        ``POLYTRAIN_INJECT_JOIN_AT``); whether one waits."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while len(self.generation.slots) < self.launched and time.monotonic() < deadline:
+            if self.joiners_waiting():
+                return True
+            time.sleep(_POLL_S)
+        return self.joiners_waiting()
+
     def _dead(self, slot: int) -> bool:
-        """The launcher saw the process of ``slot`` end (it marks that at once; the heartbeat takes its bound)."""
-        return slot in self.lost or self.store.check([self._key("dead", slot)])
+        """The process of ``slot`` ended: the launcher marked it (at once), a replacement for it registered (the
+        launcher starts one only then), or the heartbeat reported it (within its bound)."""
+        return slot in self.lost or self.store.check([self._key("dead", slot)]) or (
+            self.store.check([self._key("join", slot)]) and not self.store.check([self._key("admitted", slot)]))
 
     def close(self) -> None:
         """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""
@@ -221,14 +236,16 @@ def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, ti
     job's training ends: None), and make the new generation's group with them."""
     _fresh_heartbeat(store, slot)
     with contextlib.suppress(Exception):
-        store.delete_key(PREFIX + f"/dead/{slot}")  # the worker this one replaces is dead; this one is not
-    with contextlib.suppress(Exception):
-        store.delete_key(PREFIX + f"/admitted/{slot}")
+        store.delete_key(PREFIX + f"/admitted/{slot}")  # (an earlier replacement's)
     store.set(PREFIX + f"/join/{slot}", str(time.time()))
     store.add(PREFIX + "/join/count", 1)
     admitted, closed = PREFIX + f"/admitted/{slot}", PREFIX + "/closed"
     deadline = time.monotonic() + timeout.total_seconds()
+    beat, last_beat = f"{HEARTBEAT_PREFIX}/beat/{slot}", 0.0
     while not store.check([admitted]):
+        if time.monotonic() - last_beat >= min(1.0, heartbeat_timeout / 4):  # the slot's beat, until its own
+            store.add(beat, 1)                                                  # heartbeat starts
+            last_beat = time.monotonic()
         if store.check([closed]):
             return None
         if time.monotonic() > deadline:

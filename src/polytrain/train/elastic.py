@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import replace
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ from polytrain.train.lr_schedules import scaled_lr
 from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
 
+#: for tests: replacements are admitted at the first step boundary from this step on, which waits for one
+JOIN_AT_ENV = "POLYTRAIN_INJECT_JOIN_AT"
 #: what a collective raises when a member is gone (gloo's words, c10d's errors)
 _LOST_HINTS = ("connection", "gloo", "timed out", "peer", "socket", "broken pipe", "abort", "process group",
                "closed", "reset")
@@ -122,7 +125,7 @@ class ElasticRun:
         trainers = strategy.trainers
 
         def train_step(batch: Any, lr: float) -> Any:
-            if layout.meets_at(batch.step) and batch.step > self.committed - 1 and self._joiner_waiting(trainers):
+            if layout.meets_at(batch.step) and self._joiner_waiting(trainers, batch.step):
                 raise Regrow()
             result = inner(batch, lr)
             if layout.meets_at(batch.step + 1):
@@ -132,8 +135,15 @@ class ElasticRun:
 
         strategy.train_step = train_step
 
-    def _joiner_waiting(self, trainers: Any) -> bool:
-        mine = trainers.is_main and self.membership.joiners_waiting()
+    def _joiner_waiting(self, trainers: Any, step: int) -> bool:
+        """Whether to admit a joiner before ``step``: rank 0 looks, one one-element all-reduce tells the others."""
+        mine = False
+        if trainers.is_main:
+            at = os.environ.get(JOIN_AT_ENV)
+            if at is None:
+                mine = self.membership.joiners_waiting()
+            elif step >= int(at):  # (tests: admitted at the first boundary from step S, which waits for one)
+                mine = self.membership.wait_for_joiner()
         return agree_with_rank0(trainers)(mine)
 
     def _keep(self, strategy: Any) -> None:
@@ -162,7 +172,9 @@ class ElasticRun:
             _release(old)
             del old  # DDP's reducer (its hooks on the parameters) goes with its last reference: nothing holds it
         state, pending, old_index, old_generation = self._carry
-        generation = self.membership.change(self.committed, cut=failed)
+        at = os.environ.get(JOIN_AT_ENV)
+        generation = self.membership.change(self.committed, cut=failed,
+                                            admit=at is None or self.committed >= int(at))
         strategy = self._rebuild()
         self._receive_into(strategy, generation, state)
         self._carry = None
