@@ -43,7 +43,10 @@ def test_only_the_failing_jobs_checkpoint_or_continue(tmp_path):
     restart = command(cfg, "max-restarts", tmp_path)
     assert restart[restart.index("--checkpoint-every-seconds") + 1] == "30"
     assert int(restart[restart.index("--max-restarts") + 1]) >= cfg.kills
-    assert command(cfg, "continue", tmp_path)[-2:] == ["--on-failure", "continue"]
+    going_on = command(cfg, "continue", tmp_path)
+    assert going_on[going_on.index("--on-failure") + 1] == "continue" and "--checkpoint-dir" not in going_on
+    assert int(going_on[going_on.index("--max-restarts") + 1]) >= cfg.kills  # replacements join
+    assert all(command(cfg, side, tmp_path).count("--comm") == 1 for side in ("undisturbed", "max-restarts", "continue"))
 
 
 def test_progress_is_the_last_step_record_even_after_a_restart_went_back(tmp_path):

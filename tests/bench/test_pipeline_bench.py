@@ -12,7 +12,7 @@ from polytrain.errors import ConfigError
 
 
 def test_cases_are_single_then_every_schedule_and_m_it_accepts_with_the_theory():
-    chosen, skipped = cases(PipelineBenchConfig(schedules=("gpipe", "1f1b", "interleaved-1f1b")))
+    chosen, skipped = cases(PipelineBenchConfig(schedules=("gpipe", "1f1b", "interleaved-1f1b"), plain=False))
     assert [c.key for c in chosen] == ["single", "ceiling", "gpipe_m1", "gpipe_m2", "gpipe_m4", "gpipe_m8", "1f1b_m2",
                                        "1f1b_m4", "1f1b_m8", "interleaved-1f1b_m1", "interleaved-1f1b_m2",
                                        "interleaved-1f1b_m4", "interleaved-1f1b_m8"]
@@ -59,7 +59,7 @@ def test_the_balance_check_judges_the_chosen_split_on_a_second_profile():
 
 
 def test_single_runs_every_few_cases_and_each_run_is_compared_with_the_single_runs_around_it():
-    cfg = PipelineBenchConfig(schedules=("gpipe",), microbatches=(2, 8), repeats=2, reference_every=2)
+    cfg = PipelineBenchConfig(schedules=("gpipe",), microbatches=(2, 8), repeats=2, reference_every=2, plain=False)
     chosen, skipped = cases(cfg)
     order = [(r, c.key) for r, c in running_order(chosen, cfg.repeats, cfg.reference_every)]
     assert order == [(0, "single"), (0, "ceiling"), (0, "gpipe_m2"), (0, "single"), (0, "gpipe_m8"),
@@ -98,3 +98,22 @@ def test_one_stage_is_refused_and_a_failing_case_is_named_with_its_error(tmp_pat
     with pytest.raises(BenchError, match="^pipeline gpipe M=3: ConfigError: --microbatches 3 does not divide each "
                                          "pipeline's batch of 8 examples"):
         run_case(case, cfg, 0, tmp_path)
+
+
+def test_each_pipeline_case_has_a_plain_twin_on_the_same_stages_and_their_ratio_is_paired_by_repeat():
+    from polytrain.bench.pipeline_report import plain_ratios
+
+    cfg = PipelineBenchConfig(model="transformer_lm:layers=4,dim=32,heads=2", data="text:seq_len=16",
+                              schedules=("1f1b", "interleaved-1f1b"), microbatches=(4,), batch_size=8)
+    chosen, skipped = cases(cfg)
+    by_key = {c.key: c for c in chosen}
+    assert [c.key for c in chosen] == ["single", "ceiling", "1f1b_m4", "plain_1f1b_m4", "interleaved-1f1b_m4"]
+    assert skipped == ["plain interleaved-1f1b M=4: the plain loop runs one stage per rank"]
+    assert by_key["1f1b_m4"].split_at == by_key["plain_1f1b_m4"].split_at == "blocks.2"  # equal parameters
+    assert by_key["1f1b_m4"].settings()["split_at"] == "blocks.2"
+    runs = [Run("1f1b_m4", 0, 99.0), Run("plain_1f1b_m4", 0, 100.0), Run("1f1b_m4", 1, 50.0),
+            Run("plain_1f1b_m4", 1, 49.0), Run("1f1b_m4", 2, 80.0), Run("plain_1f1b_m4", 2, 80.0)]
+    ratios = plain_ratios(chosen, lambda key: [r for r in runs if r.case == key])
+    assert ratios == [{"case": "1f1b_m4", "schedule": "1f1b", "microbatches": 4, "split_at": "blocks.2",
+                       "value": 1.0, "min": 0.99, "max": round(50 / 49, 4), "per_repeat": [0.99, round(50 / 49, 4), 1.0],
+                       "target": 0.98, "met": True}]

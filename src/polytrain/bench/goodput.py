@@ -113,12 +113,13 @@ def command(cfg: GoodputBenchConfig, side: str, workdir: Path) -> list[str]:
            "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
            "--seed", str(cfg.seed), "--steps", "1000000000", "--progress", "off", "--eval-every", "0",
            "--log-every", "1", "--histogram-every", "0", "--heartbeat-timeout", f"{cfg.heartbeat_timeout:g}",
-           "--timeout", f"{cfg.timeout:g}", "--metrics-file", str(workdir / f"{side}.jsonl")]
+           "--timeout", f"{cfg.timeout:g}", "--metrics-file", str(workdir / f"{side}.jsonl"),
+           "--comm", "backend"]  # every job alike: --on-failure continue averages through the process group
     if side == "max-restarts":
         cmd += ["--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every-seconds",
                 f"{cfg.checkpoint_every_seconds:g}", "--max-restarts", str(cfg.kills + 10)]
-    elif side == "continue":
-        cmd += ["--on-failure", "continue"]
+    elif side == "continue":  # --max-restarts: a replacement joins for each lost worker (no checkpoint needed)
+        cmd += ["--on-failure", "continue", "--max-restarts", str(cfg.kills + 10)]
     return cmd
 
 

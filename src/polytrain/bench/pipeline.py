@@ -48,6 +48,11 @@ class PipelineBenchConfig:
     timeout: float = 300.0
     balance_stages: tuple[int, ...] = (2, 4)  # stage counts whose automatic split is checked
     reference_every: int = 4  # single runs again after this many other runs (see running_order)
+    #: each pipeline case also as a plain torch.distributed.pipelining loop on the same stages and batches
+    #: (bench/pipeline_reference.py); the pipeline cases then cut where ``split_at`` says (empty: stages of
+    #: equal parameters), so that both run the same stages
+    plain: bool = True
+    split_at: str = ""
 
     def check(self) -> None:
         """Raise ConfigError naming the bad setting before anything starts."""
@@ -76,12 +81,14 @@ class PipelineCase:
     microbatches: int = 1
     stages: int = 1
     chunks: int = 1
+    split_at: str | None = None  # the stages' first units (a pipeline case beside a plain one)
 
     def settings(self) -> dict[str, Any]:
         if self.strategy == "single":
             return {"strategy": "single"}
+        named = {"split_at": self.split_at} if self.split_at else {}
         return {"strategy": "pipeline", "stages": self.stages, "microbatches": self.microbatches,
-                "schedule": self.schedule}
+                "schedule": self.schedule, **named}
 
     def theoretical_bubble(self) -> float:
         return float(plan.theoretical_bubble(self.stages, self.microbatches, self.chunks))
@@ -106,6 +113,7 @@ def cases(cfg: PipelineBenchConfig) -> tuple[list[PipelineCase], list[str]]:
     out = [PipelineCase("single", "single, 1 thread", "single"),
            PipelineCase("ceiling", f"{cfg.stages} independent processes x 1 thread", "ceiling", stages=cfg.stages)]
     skipped = []
+    named = (cfg.split_at or equal_split(cfg)) if cfg.plain else None
     for name in cfg.schedules or installed_schedules():
         for m in cfg.microbatches:
             try:
@@ -114,8 +122,29 @@ def cases(cfg: PipelineBenchConfig) -> tuple[list[PipelineCase], list[str]]:
                 skipped.append(f"{name} M={m}: {exc}")
                 continue
             out.append(PipelineCase(f"{name}_m{m}", f"{name}, P={cfg.stages}, M={m}", "pipeline", name, m,
-                                    cfg.stages, info.chunks))
+                                    cfg.stages, info.chunks, named))
+            if not cfg.plain:
+                continue
+            if info.chunks != 1:
+                skipped.append(f"plain {name} M={m}: the plain loop runs one stage per rank")
+                continue
+            out.append(PipelineCase(f"plain_{name}_m{m}", f"plain torch pipelining {name}, P={cfg.stages}, M={m}",
+                                    "plain", name, m, cfg.stages, 1, named))
     return out, skipped
+
+
+def equal_split(cfg: PipelineBenchConfig) -> str:
+    """The units that start stages 1.. of ``cfg.stages`` stages of equal parameters (the model on meta)."""
+    from polytrain.data.registry import build_data
+    from polytrain.models.registry import build_model
+
+    data = build_data(cfg.data, seed=cfg.seed)
+    with torch.device("meta"):
+        model = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_outputs)
+    parts = split.units(model)
+    cuts = split.balanced_cuts([float(sum(p.numel() for p in unit.parameters())) for _, unit in parts],
+                               cfg.stages)
+    return ",".join(parts[c][0] for c in cuts)
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -137,6 +166,8 @@ class Run:
 def run_case(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:
     if case.strategy == "ceiling":
         return run_ceiling(case, cfg, repeat, workdir)
+    if case.strategy == "plain":
+        return run_plain(case, cfg, repeat, workdir)
     from polytrain.api import fit
 
     metrics = workdir / f"{case.key}-{repeat}.jsonl"
@@ -149,6 +180,23 @@ def run_case(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir:
     except Exception as exc:  # noqa: BLE001 - a case that fails is reported by name, the rest still run
         raise BenchError(f"{case.label}: {type(exc).__name__}: {exc}") from exc
     return window(case, repeat, metrics, cfg, summary.get("pipeline_split"))
+
+
+def run_plain(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:
+    """The plain torch.distributed.pipelining loop (bench/pipeline_reference.py) on the case's stages."""
+    import sys
+
+    from polytrain.bench.measure import run_reference
+
+    result = workdir / f"{case.key}-{repeat}.json"
+    command = [sys.executable, "-m", "polytrain.bench.pipeline_reference", "--stages", str(case.stages),
+               "--schedule", str(case.schedule), "--microbatches", str(case.microbatches), "--split-at",
+               str(case.split_at), "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size),
+               "--warmup", str(cfg.warmup), "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--momentum",
+               str(cfg.momentum), "--seed", str(cfg.seed), "--timeout", str(cfg.timeout), "--result", str(result)]
+    out = run_reference(case.label, command, result, cfg)
+    return Run(case.key, repeat, out["examples_per_sec"], step_s=out["window_s"] / cfg.steps,
+               split=[[n] for n in str(case.split_at).split(",")])
 
 
 def run_ceiling(case: PipelineCase, cfg: PipelineBenchConfig, repeat: int, workdir: Path) -> Run:

@@ -79,7 +79,36 @@ def result_document(cfg: PipelineBenchConfig, chosen: list[PipelineCase], skippe
 
     rows = [case_row(c, of(c.key), of("single"), of("ceiling")) for c in chosen]
     return {"suite": "pipeline", "config": cfg.to_dict(), "env": environment(), "rows": rows, "skipped": skipped,
-            "balance": balance}
+            "balance": balance, "plain_ratios": plain_ratios(chosen, of)}
+
+
+#: the speed polytrain's pipeline should keep of the plain torch.distributed.pipelining loop's
+PLAIN_TARGET = 0.98
+
+
+def plain_ratios(chosen: list[PipelineCase], of: Callable[[str], list[Run]]) -> list[dict[str, Any]]:
+    """Each pipeline case against its plain twin (same schedule, M and stages): the median of the per-repeat
+    ratios of their rates, with min and max."""
+    out = []
+    for case in chosen:
+        if case.strategy != "plain":
+            continue
+        ours = {r.repeat: r for r in of(case.key[len("plain_"):])}
+        paired = [ours[r.repeat].examples_per_sec / r.examples_per_sec for r in of(case.key) if r.repeat in ours]
+        if not paired:
+            continue
+        value = statistics.median(paired)
+        out.append({"case": case.key[len("plain_"):], "schedule": case.schedule, "microbatches": case.microbatches,
+                    "split_at": case.split_at, "value": round(value, 4), "min": round(min(paired), 4),
+                    "max": round(max(paired), 4), "per_repeat": [round(v, 4) for v in paired],
+                    "target": PLAIN_TARGET, "met": value >= PLAIN_TARGET})
+    return out
+
+
+def _plain_lines(doc: dict[str, Any]) -> list[str]:
+    return [f"speed pipeline / plain torch pipelining, {r['schedule']} M={r['microbatches']} (stages at "
+            f"{r['split_at']}): {r['value']:.3f} ({r['min']:.3f}-{r['max']:.3f}), target >= {r['target']:.2f}: "
+            f"{'met' if r['met'] else 'NOT met'}" for r in doc.get("plain_ratios", [])]
 
 
 def _fmt_list(values: list[Any], spec: str) -> str:
@@ -132,7 +161,7 @@ def format_text(doc: dict[str, Any]) -> str:
                      f"{_fmt_list(row['speedup_per_repeat'], '.3f')}  {_verdict(row)}".rstrip())
     if doc["skipped"]:
         lines += ["", "not run (the schedule's limits):"] + [f"  {s}" for s in doc["skipped"]]
-    lines += [""] + _balance_lines(doc)
+    lines += [""] + _balance_lines(doc) + _plain_lines(doc)
     return "\n".join(lines)
 
 
@@ -167,7 +196,7 @@ def format_markdown(doc: dict[str, Any]) -> str:
                      f"{', '.join(f'{v:.3f}' for v in row['speedup_per_repeat'])} | {_verdict(row) or '—'} |")
     if doc["skipped"]:
         lines += ["", "Not run (the schedule's limits): " + "; ".join(doc["skipped"]) + "."]
-    lines += [""] + [f"* {line}" for line in _balance_lines(doc)]
+    lines += [""] + [f"* {line}" for line in _balance_lines(doc) + _plain_lines(doc)]
     return "\n".join(lines) + "\n"
 
 
