@@ -96,7 +96,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
-            + _restarts_line(summary) + _lost_line(summary))
+            + _restarts_line(summary) + _lost_line(summary) + _membership_line(summary))
 
 
 def _nothing_trained(summary: dict[str, Any]) -> bool:
@@ -112,6 +112,17 @@ def _lost_line(summary: dict[str, Any]) -> str:
         return ""
     return (f"\n  workers lost: rank(s) {', '.join(map(str, lost))}; the run went on without them "
             "(--tolerate-worker-loss)")
+
+
+def _membership_line(summary: dict[str, Any]) -> str:
+    """--on-failure continue: each change of the workers that train, where and how long it took."""
+    changes = summary.get("membership_changes")
+    if not changes:
+        return ""
+    listed = "; ".join(
+        f"step {c['step']}: " + ", ".join([f"slot {s} lost" for s in c["lost"]] + [f"slot {s} joined" for s in c["joined"]])
+        + f" -> {c['workers']} workers ({c['seconds']:.2f} s)" for c in changes)
+    return f"\n  membership: {listed} (--on-failure continue: no restart, nothing read from disk)"
 
 
 def _restarts_line(summary: dict[str, Any]) -> str:

@@ -20,8 +20,9 @@ Then every member builds the strategy again over the new group (DDP wraps the sa
 continue from is sent from a member that holds it to those that do not (a replacement, or a rank behind) with
 one broadcast over the new group, and the loop goes on from that step with the same global batches cut into as
 many slices as there are members (differing by one example at most when they do not divide). Nothing is read
-from disk. A replacement waiting to join is looked for at step boundaries (every step for ``sync``, at sync
-points otherwise): rank 0 reads one store counter, and one one-element all-reduce tells the others.
+from disk. A replacement waiting to join is looked for at step boundaries (``sync``: every ``--log-every`` steps;
+``local-sgd``, ``diloco``: sync points): rank 0 reads one store counter, and one one-element all-reduce tells
+the others.
 
 ``--log-example-ids``: the survivors' records of the steps since the last log point are written at the change;
 a lost worker's slices of committed steps are the ones the plan gave it (it cannot report them), listed under
@@ -122,10 +123,12 @@ class ElasticRun:
     def _wrap(self, strategy: Any) -> None:
         """Count committed steps, keep the state at sync points, and look for joiners at step boundaries."""
         inner, layout = strategy.train_step, strategy.layout
-        trainers = strategy.trainers
+        trainers, every = strategy.trainers, self.trainer.config.log.log_every
+        # where a joiner may be admitted: sync points (local-sgd, diloco); sync's log points (a step pays nothing)
+        boundary = (lambda step: layout.meets_at(step)) if layout.meets_every > 1 else (lambda step: step % every == 0)
 
         def train_step(batch: Any, lr: float) -> Any:
-            if layout.meets_at(batch.step) and self._joiner_waiting(trainers, batch.step):
+            if boundary(batch.step) and self._joiner_waiting(trainers, batch.step):
                 raise Regrow()
             result = inner(batch, lr)
             if layout.meets_at(batch.step + 1):
