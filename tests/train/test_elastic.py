@@ -133,6 +133,7 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
     (dict(strategy="sync", balance="on"), "--balance on is not supported"),
     (dict(strategy="sync", heartbeat_timeout=0), "needs the heartbeat"),
     (dict(strategy="sync", workers=1), "needs at least 2 workers"),
+    (dict(strategy="sync", backend="nccl"), "needs the gloo backend"),
 ])
 def test_settings_continue_cannot_work_with_are_one_line_before_anything_starts(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -56,6 +56,12 @@ def check_on_failure(config: Any, layout: Any) -> None:
                           "agent restarts every worker when one dies; use --on-failure stop there")
     if layout.processes < 2:
         raise ConfigError("--on-failure continue needs at least 2 workers (--workers N)")
+    from polytrain.distributed.launch import resolve_backend
+
+    if resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement) != "gloo":
+        raise ConfigError("--on-failure continue needs the gloo backend (CPU workers): a survivor releases a "
+                          "collective blocked on a lost peer by closing gloo's connections, which NCCL's are not; "
+                          "use --device cpu, or --on-failure stop with --max-restarts")
     if config.launch.heartbeat_timeout <= 0:
         raise ConfigError("--on-failure continue needs the heartbeat (--heartbeat-timeout > 0): a worker that "
                           "stops answering is found by it")
