@@ -35,9 +35,13 @@ class LinkRun:
     @property
     def median_examples_per_s(self) -> float:
         """Examples/s of the median log interval (an evaluation's interval, or a burst of load, left out)."""
+        return self.interval_examples_per_s(0.5)
+
+    def interval_examples_per_s(self, quantile: float) -> float:
+        """Examples/s of the log interval at this quantile of their step times (0.5: the median)."""
         steps = [r for r in self.records if r["event"] == "step"]
         per_step = sorted((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:]))
-        return self.end["global_batch"] / per_step[len(per_step) // 2]
+        return self.end["global_batch"] / per_step[min(len(per_step) - 1, int(quantile * len(per_step)))]
 
     def time_to(self, accuracy: float) -> float | None:
         time_at = {r["step"]: r["time_s"] for r in self.records if r["event"] == "step"}

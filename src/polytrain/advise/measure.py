@@ -66,6 +66,10 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def examples_to_target(cfg: CompareConfig, records: list[dict[str, Any]]) -> float | None:
+    return _examples_to_target(cfg, records)
+
+
 def _examples_to_target(cfg: CompareConfig, records: list[dict[str, Any]]) -> float | None:
     global_batch = cfg.workers * cfg.worker_batch_size
     for r in records:
@@ -93,8 +97,9 @@ def shape_of(spec: StrategySpec, config: Any) -> tuple[str, int, int]:
 
 
 def profile_of(cfg: CompareConfig, spec: StrategySpec, records: list[dict[str, Any]],
-               examples_to_target: float | None) -> Profile:
-    """One strategy's profile from its run's metrics records (``step`` records at every log point, ``end``)."""
+               examples_to_target: float | None, quantile: float = 0.5) -> Profile:
+    """One strategy's profile from its run's metrics records (``step`` records at every log point, ``end``);
+    its step time is the ``quantile`` of the log intervals' (the median by default)."""
     from polytrain.config import make_config
 
     config = make_config(**cfg.settings(spec, []))
@@ -103,7 +108,7 @@ def profile_of(cfg: CompareConfig, spec: StrategySpec, records: list[dict[str, A
     # one step of the job: the median over log intervals (an evaluation's interval is an outlier)
     per_step = [(b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
                 if b["step"] > a["step"]]
-    step_s = statistics.median(per_step) if per_step else 0.0
+    step_s = _quantile(per_step, quantile) if per_step else 0.0
     # bytes a trainer sent per step over the second half of the run (PowerSGD's whole first steps left out)
     half = [r for r in steps if r["step"] > steps[-1]["step"] / 2] if steps else []
     start = max((r["step"] for r in steps if r["step"] <= steps[-1]["step"] / 2), default=0) if steps else 0
@@ -117,6 +122,13 @@ def profile_of(cfg: CompareConfig, spec: StrategySpec, records: list[dict[str, A
         payload = per_step_bytes * every / factor if factor else 0.0
     return Profile(spec.text, step_s, cfg.worker_batch_size, payload, every, pattern, overlap * step_s,
                    examples_to_target)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if q == 0.5:
+        return statistics.median(values)
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def save(profiles: list[Profile], path: Path, meta: dict[str, Any]) -> None:
