@@ -47,20 +47,20 @@ from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
 #: DiLoCo's outer settings (Douillard et al. 2023, section 3): Nesterov momentum 0.9, outer learning rate 0.7
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
-#: the outer momentum's default where the inner optimizer has momentum of its own (SGD, RMSprop with --momentum
-#: above 0): the two compound, and the paper's 0.9 on inner SGD momentum 0.9 ended at 0.86 test accuracy on
-#: digits_cnn in 240 steps and diverged in 480, where 0.5 reached 0.99 (docs/async.md)
-OUTER_MOMENTUM_ON_INNER_MOMENTUM = 0.5
 
 
-def default_outer_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, str]:
+def default_outer_momentum(optimizer: torch.optim.Optimizer, outer_lr: float = DEFAULT_OUTER_LR) -> tuple[float, str]:
     """diloco's outer momentum when ``--outer-momentum`` is not given, chosen from the inner optimizer, and
-    why (the start-up line says it): 0.5 over an inner momentum (SGD or RMSprop with momentum > 0), else the
-    paper's 0.9 (its own setting: an Adam inner optimizer; plain SGD)."""
+    why (the start-up line says it). Over an inner momentum (SGD or RMSprop with momentum > 0): 1 - outer lr
+    (0.3 at the default 0.7), so that an outer step's long-run gain, outer lr / (1 - momentum), is 1 -- the
+    average's own move, the inner momentum already accelerating; the paper's 0.9 on top of inner SGD momentum
+    0.9 ended at 0.86 test accuracy on digits_cnn in 240 steps and diverged in 480 (docs/async.md). Otherwise
+    the paper's 0.9 (its own setting: an Adam inner optimizer; plain SGD)."""
     inner = max((float(group.get("momentum") or 0.0) for group in optimizer.param_groups), default=0.0)
     if inner > 0 and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return OUTER_MOMENTUM_ON_INNER_MOMENTUM, (f"the default over inner momentum {inner:g}, with which the "
-                                                  f"paper's {DEFAULT_OUTER_MOMENTUM:g} compounds")
+        momentum = round(max(0.0, 1.0 - outer_lr), 6)
+        return momentum, (f"1 - outer lr over inner momentum {inner:g} (the paper's {DEFAULT_OUTER_MOMENTUM:g} "
+                          f"compounds with it)")
     return DEFAULT_OUTER_MOMENTUM, "the paper's default"
 
 
@@ -93,10 +93,10 @@ class PeriodicConfig:
     outer_lr: float | None = option(None, f"diloco: outer SGD learning rate on the averaged parameter change "
                                           f"(default {DEFAULT_OUTER_LR:g}; 1 with momentum 0 is local-sgd)",
                                     check=_positive, metavar="L", strategies=("diloco",), elsewhere=_OUTER)
-    outer_momentum: float | None = option(None, f"diloco: outer Nesterov momentum (default: "
-                                                f"{OUTER_MOMENTUM_ON_INNER_MOMENTUM:g} when the inner optimizer "
-                                                f"has momentum (sgd, rmsprop with --momentum > 0), else the "
-                                                f"paper's {DEFAULT_OUTER_MOMENTUM:g}; 0: plain outer SGD)",
+    outer_momentum: float | None = option(None, f"diloco: outer Nesterov momentum (default: 1 - outer lr, "
+                                                f"{1 - DEFAULT_OUTER_LR:g}, when the inner optimizer has momentum "
+                                                f"(sgd, rmsprop with --momentum > 0), else the paper's "
+                                                f"{DEFAULT_OUTER_MOMENTUM:g}; 0: plain outer SGD)",
                                           minimum=0, check=_below_one, metavar="M", strategies=("diloco",),
                                           elsewhere=_OUTER)
     fragments: int = option(1, "diloco: streaming DiLoCo: the parameters cut into F fragments of about equal size, "
@@ -243,7 +243,7 @@ class Diloco(LocalSGD):
         self._anchor = [p.detach().clone() for p in self.module.parameters()]
         if self.outer_momentum is None:
             assert self.optimizer is not None
-            self.outer_momentum, self._outer_momentum_why = default_outer_momentum(self.optimizer)
+            self.outer_momentum, self._outer_momentum_why = default_outer_momentum(self.optimizer, self.outer_lr)
         self.outer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         opts = self.options
