@@ -12,3 +12,5 @@ polytrain compare --strategies sync,diloco:sync_every=8,async --straggler 1:2 --
 polytrain compare --strategies sync,async --straggler 1:2 --link 100mbit \
     --worker-batch-size 256 --steps 40 --eval-every 20 --log-every 10 --repeats 3 \
     --out "$OUT/netlab-cpu-2core-digits_cnn-100mbit-compute-bound"
+# the same with 512 examples per worker, 30 steps, --eval-every 10 --log-every 10:
+#   benchmarks/results/netlab-cpu-2core-digits_cnn-100mbit-compute-bound-512/
