@@ -48,7 +48,11 @@ HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distribute
 _POLL_S = 0.02
 
 
-class Excluded(CommunicationError):
+class MembershipError(CommunicationError):
+    """The membership could not be changed: not a lost peer to go on without (the trainer does not retry)."""
+
+
+class Excluded(MembershipError):
     """This process arrived after its peers had agreed on the next membership without it."""
 
 
@@ -166,7 +170,7 @@ class Membership:
                 self.store.compare_set(decision_key, "", proposal.to_json())
                 break
             if time.monotonic() > deadline:
-                raise CommunicationError(
+                raise MembershipError(
                     f"--on-failure continue: worker slot(s) {', '.join(map(str, missing))} neither came back to "
                     f"agree on the membership nor were reported lost within --timeout "
                     f"{self.timeout.total_seconds():g} s")
@@ -193,9 +197,15 @@ class Membership:
         return {s: int(v) for s, v in zip(found, values)}
 
     def _joiners(self) -> list[int]:
-        """Slots registered to join and not admitted yet."""
-        return [slot for slot in range(self.launched) if self.store.check([self._key("join", slot)])
-                and not self.store.check([self._key("admitted", slot)])]
+        """Slots registered to join, not admitted yet, and not dead since they registered."""
+        return [slot for slot in range(self.launched) if self._joining(slot)]
+
+    def _joining(self, slot: int) -> bool:
+        join, dead = self._key("join", slot), self._key("dead", slot)
+        if not self.store.check([join]) or self.store.check([self._key("admitted", slot)]):
+            return False
+        # the launcher's mark (the time of a death) older than the registration is the replaced worker's
+        return not self.store.check([dead]) or float(self.store.get(dead)) < float(self.store.get(join))
 
     def joiners_waiting(self) -> bool:
         """Whether a replacement waits to be admitted (rank 0 asks at step boundaries; one store call while no
@@ -221,8 +231,7 @@ class Membership:
     def _dead(self, slot: int) -> bool:
         """The process of ``slot`` ended: the launcher marked it (at once), a replacement for it registered (the
         launcher starts one only then), or the heartbeat reported it (within its bound)."""
-        return slot in self.lost or self.store.check([self._key("dead", slot)]) or (
-            self.store.check([self._key("join", slot)]) and not self.store.check([self._key("admitted", slot)]))
+        return slot in self.lost or self.store.check([self._key("dead", slot)]) or self._joining(slot)
 
     def close(self) -> None:
         """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""
@@ -309,7 +318,7 @@ def cut_connections(keep_port: int | None) -> int:
 def mark_dead(store: dist.Store, slot: int) -> None:
     """The launcher's word that the process of ``slot`` ended: the survivors need not wait for the heartbeat."""
     with contextlib.suppress(Exception):
-        store.set(PREFIX + f"/dead/{slot}", "1")
+        store.set(PREFIX + f"/dead/{slot}", repr(time.time()))
 
 
 def start(store: dist.Store, slot: int, launched: int, *, joining: bool, backend: str, device: torch.device,

@@ -42,10 +42,10 @@ from typing import Any, Callable
 import torch
 
 from polytrain.data.batches import Slice
-from polytrain.distributed.elastic import Excluded, Generation, Membership
+from polytrain.distributed.elastic import Generation, Membership, MembershipError
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger
-from polytrain.train.faults import agree_with_rank0
+from polytrain.train.faults import KILL_ENV, agree_with_rank0
 from polytrain.train.lr_schedules import scaled_lr
 from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
@@ -71,7 +71,9 @@ def slice_of(rank: int, count: int, global_batch: int) -> Slice:
 
 def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing for a member that is gone, rather than an error of this rank's."""
-    if isinstance(exc, (CommunicationError, torch.distributed.DistError)) and not isinstance(exc, Excluded):
+    if isinstance(exc, MembershipError):
+        return False
+    if isinstance(exc, (CommunicationError, torch.distributed.DistError)):
         return True
     return isinstance(exc, RuntimeError) and any(hint in str(exc).lower() for hint in _LOST_HINTS)
 
@@ -319,6 +321,7 @@ def before_build(config: Any, layout: Any, membership: Membership | None) -> tup
     comes from a peer, not from disk."""
     if membership is None or not membership.generation.number:
         return config, layout
+    os.environ.pop(KILL_ENV, None)  # the testing hook's kill was the replaced worker's, not its replacement's
     from polytrain.strategies import get_strategy
     from polytrain.train.session import strategy_options
 
