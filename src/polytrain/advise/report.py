@@ -69,7 +69,9 @@ def reasons(profiles: list[Profile], scenario: Scenario, ranked: list[Prediction
                       ", so the link is not what limits it; saving bytes buys little."))
     if best.strategy != "sync" and sync is not None:
         fewer = sync.wire_bytes_per_step / best.wire_bytes_per_step if best.wire_bytes_per_step else float("inf")
-        parts.append(f"{best.strategy} sends {fewer:.3g}x fewer bytes per step than sync and runs at "
+        bytes_text = (f"{fewer:.3g}x fewer bytes per step than sync" if fewer >= 1.1 else
+                      f"{1 / fewer:.3g}x the bytes per step of sync" if fewer > 0 else "no bytes")
+        parts.append(f"{best.strategy} sends {bytes_text} and runs at "
                      f"{best.examples_per_s / sync.examples_per_s:.2f}x its examples/s")
         p, s = by_name[best.strategy], by_name["sync"]
         if p.examples_to_target and s.examples_to_target:
