@@ -82,6 +82,16 @@ def test_specs_with_colons_in_values_and_a_profile_from_records():
     assert quantized.pattern == "gather"
 
 
+def test_compare_takes_a_compress_value_with_colons(tmp_path, capsys):
+    from polytrain.cli.main import main
+
+    # every case is checked before any trains: the PowerSGD case passes, the bad one is named
+    code = main(["compare", "--strategies", "sync:compress=powersgd:rank=4,sync:compress=gzip", "--no-plot",
+                 "--out", str(tmp_path)])
+    assert code == 2
+    assert "case sync:compress=gzip: --compress: unknown value 'gzip'" in capsys.readouterr().err
+
+
 def test_advise_predicts_from_saved_profiles(tmp_path, capsys):
     from polytrain.advise.measure import save
     from polytrain.cli.main import main

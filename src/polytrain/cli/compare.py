@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = compare_config(args)
     cfg.check()
-    specs, notes = compare.available(compare.parse_specs(cfg.strategies), named_by_user=args.strategies is not None)
+    from polytrain.advise.measure import parse  # a value may hold ':' (sync:compress=powersgd:rank=4)
+
+    specs, notes = compare.available(parse(cfg.strategies), named_by_user=args.strategies is not None)
     cases = compare.plan_cases(cfg, specs)
     compare.check_cases(cfg, cases)
     if cfg.links:
