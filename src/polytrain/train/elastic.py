@@ -171,6 +171,7 @@ class ElasticRun:
             ids = getattr(trainer, "ids", None)
             self._carry = (self._committed_state(old), list(getattr(ids, "pending", [])),
                            getattr(ids, "slice_index", None), self.membership.generation)
+            trainer.ids = None  # (its notes are carried; a retried change must not write them twice)
         if trainer.strategy is not None:
             old = trainer.strategy
             trainer.strategy = s.strategy = s.model = None
