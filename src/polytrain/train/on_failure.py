@@ -81,6 +81,7 @@ def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
     sync averages through the process group (shared memory cannot be rebuilt over the survivors)."""
     if not continuing(config):
         return config, layout
+    check_on_failure(config, layout)  # (under torchrun the run's checks are skipped: this one is not)
     config = copy.deepcopy(config)
     config.data.batch_size, config.data.worker_batch_size = config.global_batch(layout.slices), None
     sync = getattr(config, "sync", None)
