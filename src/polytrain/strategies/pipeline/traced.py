@@ -44,12 +44,14 @@ class TimedTracedStage(StageTiming, _PipelineStage):
 
 
 def layers(model: nn.Module) -> tuple[str, list[str]]:
-    """The model's longest ``nn.ModuleList`` (its layers): its name and its items' names ('' and [] if none)."""
+    """The model's longest ``nn.ModuleList`` (its layers): its name and its items' names; or, where its
+    units (:func:`polytrain.models.parts.units`: its children, a ``ModuleList`` as its items) are more, those."""
     best: tuple[str, list[str]] = ("", [])
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
             best = (name, [f"{name}.{i}" if name else str(i) for i in range(len(module))])
-    return best
+    children = [name for name, _ in split.units(model)]
+    return ("its units", children) if len(children) > len(best[1]) else best
 
 
 def _hint(model: nn.Module) -> str:
