@@ -252,6 +252,9 @@ class Pipeline(TracedRun, Strategy):
         if isinstance(chosen, traced.TracedSplit):
             self._cut_traced(chosen, sample, labels)
         else:
+            if self._replay is not None:  # _replay: a chain of units after all, made whole as single makes it
+                self._make(self._replay, lambda name: True)
+                self._replay = None
             if self.split is None:
                 self._cut(chosen)
             self._release_others()
@@ -277,12 +280,23 @@ class Pipeline(TracedRun, Strategy):
         """Rank 0: the split (measured for ``auto``), after checking that the forward is the units in order.
         A deferred model's units not yet made are made one at a time for it, and returned to meta after.
         A model that is not such a chain is cut by the tracer (:mod:`.traced_run` says when)."""
+        traced_error = None
+        if self._replay is not None and not must_trace(self.model, split.parse_split(self.options.split_at),
+                                                       self.recipe.loss):
+            try:
+                return self._choose_traced(sample, labels)
+            except ConfigError as exc:  # _replay: not traceable; made whole, it may still be a chain of units
+                traced_error = exc
+                self._make(self._replay, lambda name: True)
+                self._replay = None
         if self._replay is None and not must_trace(self.model, split.parse_split(self.options.split_at), self.recipe.loss):
             resident = self._maker.resident if self._maker is not None else None
             try:
                 chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
                 return chosen if self.split is None else self.split
             except ConfigError:
+                if traced_error is not None:
+                    raise traced_error from None
                 if chain_kind(self.model) or self._maker is not None:
                     raise
         return self._choose_traced(sample, labels)
