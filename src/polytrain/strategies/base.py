@@ -98,6 +98,9 @@ class Strategy:
     #: them the run casts nothing and :attr:`amp` adds no autocast and no loss scaler; the strategy reads
     #: ``recipe.precision`` in :meth:`prepare`. Every other mode the base class runs (:mod:`polytrain.precision`)
     own_precision: ClassVar[tuple[str, ...]] = ()
+    #: why the survivors of a lost worker cannot go on without it under ``--on-failure continue``; None where
+    #: they can (each rank a whole replica of the model and optimizer, the exchange rebuilt over fewer ranks)
+    lost_worker: ClassVar[str | None] = "does not keep a whole replica of the model and optimizer on every rank"
 
     def __init__(self, topology: Topology, options: Any = None, layout: Layout | None = None):
         self.options = options if options is not None else section_defaults(self.config_section)

@@ -50,6 +50,8 @@ class FullyShardedDataParallel(Strategy):
     summary = "sharded data parallel (FSDP2): each worker a slice of every batch and 1/N of the model's state"
     config_section = "fsdp"
     own_precision = ("bf16-mixed",)  # FSDP2's MixedPrecisionPolicy (see _policy)
+    lost_worker = ("keeps each parameter and optimizer shard on one worker only, so a dead worker's shards are "
+                   "gone")
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:

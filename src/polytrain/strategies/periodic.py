@@ -120,6 +120,7 @@ class PeriodicConfig:
 @register_strategy
 class LocalSGD(Strategy):
     name = "local-sgd"
+    lost_worker = None  # --on-failure continue: every rank a whole replica (and diloco's)
     summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
     config_section = "periodic"
 

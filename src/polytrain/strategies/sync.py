@@ -70,6 +70,7 @@ class SyncConfig:
 @register_strategy
 class SyncDataParallel(Strategy):
     name = "sync"
+    lost_worker = None  # --on-failure continue: every rank a whole replica
     summary = "synchronous data parallel: each worker a slice of the global batch, gradients all-reduced"
     config_section = "sync"
 

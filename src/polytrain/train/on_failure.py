@@ -19,10 +19,9 @@ from typing import Any
 
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
+from polytrain.strategies.base import available_strategies, get_strategy
 
 CHOICES = ("stop", "continue")
-#: the strategies whose survivors can go on: every rank a whole replica (fsdp's shards of a dead rank are gone)
-SUPPORTED = ("sync", "local-sgd", "diloco")
 
 
 @register_section("on_failure", "what happens when a worker dies", order=86)
@@ -43,14 +42,12 @@ def check_on_failure(config: Any, layout: Any) -> None:
     """One line for a setting ``--on-failure continue`` cannot work with, before anything starts."""
     if not continuing(config):
         return
-    strategy = config.train.strategy
-    if strategy == "fsdp":
-        raise ConfigError("--on-failure continue: --strategy fsdp keeps each parameter and optimizer shard on one "
-                          "worker only, so a dead worker's shards are gone; use --on-failure stop with "
-                          "--max-restarts and checkpoints, or --strategy sync")
-    if strategy not in SUPPORTED:
-        raise ConfigError(f"--on-failure continue works with --strategy {', '.join(SUPPORTED)}, not {strategy}; "
-                          "use --on-failure stop (with --max-restarts to restart from checkpoints)")
+    strategy = get_strategy(config.train.strategy)
+    if strategy.lost_worker is not None:
+        supported = [name for name in available_strategies() if get_strategy(name).lost_worker is None]
+        raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {strategy.lost_worker}; use "
+                          f"--on-failure stop with --max-restarts and checkpoints, or --strategy "
+                          f"{' | '.join(supported)}")
     if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
         raise ConfigError("--on-failure continue needs polytrain's own launcher (--workers N): under torchrun the "
                           "agent restarts every worker when one dies; use --on-failure stop there")
@@ -65,14 +62,13 @@ def check_on_failure(config: Any, layout: Any) -> None:
     if config.launch.heartbeat_timeout <= 0:
         raise ConfigError("--on-failure continue needs the heartbeat (--heartbeat-timeout > 0): a worker that "
                           "stops answering is found by it")
-    sync = getattr(config, "sync", None)
-    if strategy == "sync" and sync is not None:
-        if sync.comm == "shm":
-            raise ConfigError("--on-failure continue: --comm shm cannot be rebuilt over the survivors; use "
-                              "--comm auto or backend")
-        if sync.balance != "off":
-            raise ConfigError(f"--on-failure continue: --balance {sync.balance} is not supported (the slices are "
-                              "re-cut over the survivors); use --balance off")
+    section = getattr(config, strategy.config_section, None)
+    if getattr(section, "comm", None) == "shm":
+        raise ConfigError("--on-failure continue: --comm shm cannot be rebuilt over the survivors; use "
+                          "--comm auto or backend")
+    if getattr(section, "balance", "off") != "off":
+        raise ConfigError(f"--on-failure continue: --balance {section.balance} is not supported (the slices are "
+                          "re-cut over the survivors); use --balance off")
 
 
 def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
@@ -84,7 +80,7 @@ def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
     check_on_failure(config, layout)  # (under torchrun the run's checks are skipped: this one is not)
     config = copy.deepcopy(config)
     config.data.batch_size, config.data.worker_batch_size = config.global_batch(layout.slices), None
-    sync = getattr(config, "sync", None)
-    if sync is not None and sync.comm == "auto":
-        sync.comm = "backend"
+    section = getattr(config, get_strategy(config.train.strategy).config_section, None)
+    if getattr(section, "comm", None) == "auto":
+        section.comm = "backend"
     return config, replace(layout, expendable=tuple(range(1, layout.processes)))
