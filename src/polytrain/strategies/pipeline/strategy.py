@@ -53,6 +53,7 @@ from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.strategies.pipeline import plan, split, traced
+from polytrain.strategies.pipeline.transport import check_transport
 from polytrain.strategies.pipeline.traced_run import TracedRun, chain_kind, must_trace
 from polytrain.strategies.pipeline.build import UnitMaker, release_unit
 from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
@@ -133,6 +134,7 @@ class Pipeline(TracedRun, Strategy):
                               f"{per} examples; pass a divisor of {per} or another --batch-size")
         plan.check_schedule(opts.schedule, pp, opts.microbatches)
         tp_axis.check_axis(layout, config, model)
+        check_transport(config, cls.name)
         refuse_loss_scaling(config, cls.name, "the pipelining schedule runs each micro-batch's backward itself, "
                                               "and an overflow on one stage would have to skip the step on all")
         if model is None and config.model.model != "auto":
