@@ -142,3 +142,4 @@ def test_the_lab_is_gone_after_its_launcher_is_interrupted_or_killed(how, cli_en
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        launcher.stdout.close()
