@@ -43,14 +43,17 @@ def test_bad_settings_exit_with_one_line(cli_env, tmp_path):
     assert proc.stderr.strip() == "polytrain: error: --workers must be >= 1, got 0"
 
 
-@pytest.mark.slow  # single, 2 independent processes and a 2-stage pipeline, each started afresh
+@pytest.mark.slow  # single, 2 independent processes, a 2-stage pipeline and its plain twin, each started afresh
 def test_quick_pipeline_suite_writes_json_markdown_and_plot(cli_env, tmp_path):
     proc = polytrain("--suite", "pipeline", "--quick", "--schedules", "gpipe", "--markdown", "p.md", "--plot", "p.png",
                      env=cli_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "polytrain-bench-pipeline.json").read_text())
-    single, ceiling, gpipe = doc["rows"]
-    assert (single["case"], ceiling["case"], gpipe["case"]) == ("single", "ceiling", "gpipe_m2")
+    rows = {row["case"]: row for row in doc["rows"]}
+    assert list(rows) == ["single", "ceiling", "gpipe_m2", "plain_gpipe_m2"]  # the pipeline and its plain twin
+    single, ceiling, gpipe = rows["single"], rows["ceiling"], rows["gpipe_m2"]
+    [ratio] = doc["plain_ratios"]
+    assert ratio["case"] == "gpipe_m2" and ratio["min"] <= ratio["value"] <= ratio["max"] and ratio["value"] > 0
     assert ceiling["per_process_vs_single"] > 0 and "efficiency_at_ceiling" in gpipe
     assert gpipe["speedup"] == pytest.approx(gpipe["examples_per_sec"] / single["examples_per_sec"], rel=1e-3)
     assert gpipe["speedup_theoretical"] == round(2 * 2 / 3, 4) and gpipe["bubble_theoretical"] == round(1 / 3, 4)

@@ -11,7 +11,7 @@ from polytrain.errors import ConfigError
 from polytrain.phases import PHASES
 
 # a step of some milliseconds, so that the labels' own cost is small beside it
-RUN = dict(data="digits", model="mlp:hidden=256", batch_size=256, progress="off", eval_every=0, log_every=2)
+RUN = dict(data="digits", model="mlp:hidden=1024x1024", batch_size=256, progress="off", eval_every=0, log_every=2)
 
 
 def test_sync_traces_every_rank_and_its_phases_add_up_to_the_measured_step(tmp_path):
