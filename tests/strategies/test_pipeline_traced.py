@@ -29,8 +29,7 @@ CASES = {  # name: (stages, settings)
     "2-1f1b-model": (2, dict(schedule="1f1b", loss="model")),
     "2-branchy": (2, dict(model="tests.strategies.hf_gpt2:branchy", split_at="transformer.h.1")),
     "4-1f1b-task": (4, dict(schedule="1f1b", split_at="transformer.h.1,transformer.h.2,transformer.h.3")),
-    "4-gpipe-model": (4, dict(schedule="gpipe", loss="model")),
-}
+}  # (4 stages, gpipe, --loss model, --split-at auto: also equal, 1.4e-6; left out for the suite's time)
 
 
 def _cases(ctx, runs):
