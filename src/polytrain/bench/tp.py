@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from polytrain.bench.cases import interleaved, tokens_per_example
+from polytrain.bench.cases import tokens_per_example
 from polytrain.bench.measure import BenchError, run_reference
+from polytrain.bench.paired import case_row, measure_interleaved, paired_ratio
 from polytrain.bench.report import environment
 from polytrain.errors import ConfigError
 
@@ -134,36 +134,15 @@ def run_case(case: TpCase, cfg: TpBenchConfig, repeat: int, workdir: Path) -> di
 def run_suite(cfg: TpBenchConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     cfg.check()
     chosen = cases(cfg)
-    order = interleaved(chosen, cfg.repeats)
-    runs: dict[str, list[dict[str, Any]]] = {case.key: [] for case in chosen}
-    with tempfile.TemporaryDirectory(prefix="polytrain-bench-tp-") as tmp:
-        for i, (repeat, case) in enumerate(order, 1):
-            measured = run_case(case, cfg, repeat, Path(tmp))
-            runs[case.key].append(measured)
-            progress(f"[{i}/{len(order)}] repeat {repeat + 1}: {case.label}: {measured['examples_per_sec']:.1f} "
-                     f"examples/s (median step: {measured['step_examples_per_sec']:.1f})")
+    runs = measure_interleaved(chosen, cfg.repeats, lambda case, repeat, tmp: run_case(case, cfg, repeat, tmp),
+                               "polytrain-bench-tp-", progress)
     tokens = tokens_per_example(cfg.data, cfg.seed)
-    rows = []
-    for case in chosen:
-        mine = runs[case.key]
-        rate = statistics.median(m["examples_per_sec"] for m in mine)
-        rows.append({"case": case.key, "label": case.label, "examples_per_sec": round(rate, 2),
-                     "tokens_per_sec": round(rate * tokens, 1) if tokens else None,
-                     "runs_examples_per_sec": [round(m["examples_per_sec"], 2) for m in mine],
-                     "step_examples_per_sec": round(statistics.median(m["step_examples_per_sec"] for m in mine), 2),
-                     "runs_step_examples_per_sec": [round(m["step_examples_per_sec"], 2) for m in mine],
-                     "final_loss": round(mine[-1]["final_loss"], 6)})
-    ratios = []
-    for key, label, measure, target in (("tp_vs_plain", "polytrain tp / plain parallelize_module loop",
-                                         "examples_per_sec", TARGET),
-                                        ("tp_vs_plain_median_step", "the same, median step", "step_examples_per_sec",
-                                         None)):
-        paired = [a[measure] / b[measure] for a, b in zip(runs["tp"], runs["plain"])]
-        value = statistics.median(paired)
-        ratios.append({"key": key, "label": label, "measure": measure, "value": round(value, 4),
-                       "min": round(min(paired), 4), "max": round(max(paired), 4),
-                       "per_repeat": [round(v, 4) for v in paired], "target": target,
-                       "met": None if target is None else value >= target})
+    rows = [case_row(case, runs[case.key], tokens) for case in chosen]
+    ratios = [paired_ratio(key, label, runs["tp"], runs["plain"], measure, target)
+              for key, label, measure, target in (("tp_vs_plain", "polytrain tp / plain parallelize_module loop",
+                                                   "examples_per_sec", TARGET),
+                                                  ("tp_vs_plain_median_step", "the same, median step",
+                                                   "step_examples_per_sec", None))]
     return {"suite": "tp", "config": cfg.to_dict(), "env": environment(), "rows": rows, "ratios": ratios}
 
 
