@@ -13,6 +13,7 @@ import polytrain.data.registry  # noqa: F401  (digits, synthetic, cifar10, text,
 import polytrain.devices.config  # noqa: F401  (--device, --place, ...)
 import polytrain.distributed.launch  # noqa: F401  (--workers, --backend, --timeout, ...)
 import polytrain.models.registry  # noqa: F401  (--model and the reference models)
+import polytrain.parallel.degrees  # noqa: F401  (--dp-replicate, --dp-shard, --pp, --tp)
 import polytrain.strategies  # noqa: F401  (the strategies and their sections)
 import polytrain.train.checkpoint  # noqa: F401  (--checkpoint-dir, ...)
 import polytrain.train.config  # noqa: F401  (--strategy, --steps, ...)

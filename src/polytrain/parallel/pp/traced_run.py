@@ -121,8 +121,9 @@ class TracedRun:
         """Every rank: the model traced and cut as ``chosen`` says; this rank keeps its stages (the model's
         own Parameter objects) and empties every other tensor of the model and of the other stages."""
         if getattr(self, "sharded", False):
-            raise ConfigError("--shard-dp shards the stages of a model that is a chain of units; this model is "
-                              "split by the tracer: drop --shard-dp")
+            raise ConfigError(f"--dp-shard {self.topology.axis_size('dp_shard')} shards the stages of a model that "
+                              "is a chain of units; this model is split by the tracer: drop --dp-shard (or use "
+                              "--dp-replicate)")
         sample, labels = self._trace_sample(sample, labels)
         pipe = self._pipe or self._trace(chosen, sample, labels)
         self._pipe = None
