@@ -20,6 +20,7 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.registry import check_model
+from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
@@ -74,6 +75,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
+    check_weights(config)  # --init-from, --model hf:DIR: there, readable
     if data is None:
         _check_dataset_size(check_data(config.data.data, config.data.data_args), layout.slices,
                             config.global_batch(layout.slices))
