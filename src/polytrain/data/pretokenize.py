@@ -26,7 +26,7 @@ import numpy as np
 
 from polytrain.data import documents
 from polytrain.data.documents import Chunk
-from polytrain.data.token_file import DTYPES, smallest_dtype, write_meta
+from polytrain.data.token_meta import DTYPES, smallest_dtype, write_meta
 from polytrain.data.tokenizer import cached_tokenizer, load_tokenizer
 from polytrain.errors import ConfigError
 

@@ -7,13 +7,13 @@ sequences drawn are read). Every sequence is a span of ``n + 1 <= seq_len + 1`` 
 - :class:`TokenWindows`: a window every ``stride`` tokens, all of ``seq_len``; or, ``random=True``, windows
   at offsets drawn afresh each epoch from ``(seed, epoch, index)`` (nanoGPT's sampling, but the same on every
   rank and after a resume).
-- :class:`Spans`: spans given by their starts and ends. For documents, the stream holds each document
-  followed by its end-of-document token (``document_end``), and a span is either one document (a long one
-  cut into pieces of ``seq_len + 1`` tokens, each piece's first token the previous piece's last), padded to
-  the batch's longest, or, packed (:func:`pack`), as many whole documents as fit in ``seq_len + 1`` tokens,
-  padded to ``seq_len``. A target that follows an end-of-document token (the next document's first token) is
-  ignored, so the loss never crosses a document boundary; the model keeps attention within each document
-  through the position ids :func:`document_positions` derives from the same tokens.
+- :class:`Spans`: documents. The stream holds each document followed by its end-of-document token
+  (``document_end``). An example is one document (a long one cut into pieces of ``seq_len + 1`` tokens, each
+  piece's first token the previous piece's last), padded to the batch's longest; or, packed (:func:`pack`),
+  whole documents laid together into sequences of ``seq_len`` by best fit, padded to ``seq_len``. A target
+  that follows an end-of-document token (the next document's first token) is ignored, so the loss never
+  crosses a document boundary; the model keeps attention within each document through the position ids
+  :func:`document_positions` derives from the same tokens.
 """
 
 from __future__ import annotations
@@ -87,26 +87,28 @@ class TokenWindows(Dataset):
 
 
 class Spans(Dataset):
-    """Example ``i``: the tokens ``stream[starts[i]:ends[i]]`` (see the module), padded to ``pad_to`` tokens
-    (None: to the batch's longest); targets that follow ``document_end`` are ignored."""
+    """Example ``i``: the spans ``rows[i]:rows[i + 1]`` of ``(starts, ends)`` of the stream, joined (one span
+    each where ``rows`` is None; see the module), padded to ``pad_to`` tokens (None: to the batch's longest);
+    targets that follow ``document_end`` are ignored. Every span but a row's last ends a document."""
 
     def __init__(self, stream: torch.Tensor | np.ndarray, starts: torch.Tensor, ends: torch.Tensor,
-                 document_end: int, doc_ends: np.ndarray, pad_to: int | None = None, max_id: int | None = None):
+                 document_end: int, rows: torch.Tensor | None = None, pad_to: int | None = None,
+                 max_id: int | None = None):
         if len(starts) == 0:
             raise ValueError("no sequences")
         self.stream, self.document_end, self.pad_to = stream, document_end, pad_to
         self.starts, self.ends = starts.to(torch.int64), ends.to(torch.int64)
+        self.rows = torch.arange(len(starts) + 1) if rows is None else rows.to(torch.int64)
+        sizes = torch.zeros(len(self.rows) - 1, dtype=torch.int64).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(self.rows) - 1), self.rows.diff()), self.ends - self.starts)
         #: the input (and target) positions of each example
-        self.lengths = self.ends - self.starts - 1
-        #: real target tokens of each example: its positions less those whose input ends a document (the end
-        #: of a document at e is an input of the span [s, t) when s < e < t)
-        inside = np.searchsorted(doc_ends, self.ends.numpy() - 1, side="right") - np.searchsorted(
-            doc_ends, self.starts.numpy(), side="right")
-        self.units = self.lengths - torch.from_numpy(inside.astype(np.int64))
+        self.lengths = sizes - 1
+        #: real target tokens of each example: its positions less one for each document that ends inside it
+        self.units = self.lengths - (self.rows.diff() - 1)
         self._max = max_id
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.rows) - 1
 
     @property
     def max_len(self) -> int:
@@ -122,12 +124,19 @@ class Spans(Dataset):
         indices = indices.to(torch.int64)
         lengths = self.lengths[indices]
         width = self.pad_to if self.pad_to is not None else (int(lengths.max()) if len(indices) else 0)
-        steps = torch.arange(width + 1)
-        real = steps < lengths.unsqueeze(1) + 1  # the span's tokens, its last one a target only
-        at = (self.starts[indices].unsqueeze(1) + steps).clamp_max_(len(self.stream) - 1)
-        tokens = gather(self.stream, at)
+        first, last = self.rows[indices], self.rows[indices + 1]
+        spans = torch.repeat_interleave(first, last - first) + _ranks(last - first)  # this batch's spans
+        sizes = self.ends[spans] - self.starts[spans]
+        row = torch.repeat_interleave(torch.arange(len(indices)), last - first)
+        within = torch.cumsum(sizes, 0) - sizes - torch.repeat_interleave(torch.cumsum(lengths + 1, 0) - lengths - 1,
+                                                                          last - first)
+        # each span's tokens at (its row, its place in the row)
+        at_row = torch.repeat_interleave(row, sizes)
+        at_col = torch.repeat_interleave(within, sizes) + _ranks(sizes)
+        tokens = torch.full((len(indices), width + 1), INPUT_PAD, dtype=torch.int64)
+        tokens[at_row, at_col] = gather(self.stream, torch.repeat_interleave(self.starts[spans], sizes) + _ranks(sizes))
         inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-        pad = ~real[:, 1:]
+        pad = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)
         inputs.masked_fill_(pad, INPUT_PAD)
         targets.masked_fill_(pad | (inputs == self.document_end), IGNORE_INDEX)
         return inputs, targets
@@ -145,6 +154,13 @@ class Spans(Dataset):
         return x[0], y[0]
 
 
+def _ranks(counts: torch.Tensor) -> torch.Tensor:
+    """0, 1, ..., c-1 for each count c, concatenated."""
+    total = int(counts.sum())
+    offsets = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.arange(total) - offsets
+
+
 def document_ends(stream: torch.Tensor | np.ndarray, document_end: int, chunk: int = 1 << 24) -> np.ndarray:
     """Where each document ends: the index after each end-of-document token (and the stream's end, if the
     stream does not end with one), read in chunks."""
@@ -160,43 +176,73 @@ def documents(ends: np.ndarray, seq_len: int, start: int = 0) -> tuple[torch.Ten
     """(starts, ends) of each document that begins at ``start`` and ends at each of ``ends``, a long one cut
     into pieces of at most ``seq_len + 1`` tokens (each piece beginning at the previous piece's last token);
     documents of a single token (nothing to predict) are left out."""
-    begins = np.concatenate([[start], ends[:-1]])
-    lengths = ends - begins
-    pieces = np.maximum(1, -(-(lengths - 1) // seq_len))  # ceil((len - 1) / seq_len) pieces of seq_len targets
-    keep = lengths >= 2
-    begins, ends, pieces = begins[keep], ends[keep], pieces[keep]
-    first = np.repeat(begins, pieces) + seq_len * _ranks(pieces)
-    last = np.minimum(first + seq_len + 1, np.repeat(ends, pieces))
-    return torch.from_numpy(first.astype(np.int64)), torch.from_numpy(last.astype(np.int64))
+    ends = torch.from_numpy(np.asarray(ends, dtype=np.int64))
+    begins = torch.cat([torch.tensor([start]), ends[:-1]])
+    keep = ends - begins >= 2
+    begins, ends = begins[keep], ends[keep]
+    pieces = (ends - begins - 1 + seq_len - 1) // seq_len  # ceil((len - 1) / seq_len) pieces of seq_len targets
+    first = torch.repeat_interleave(begins, pieces) + seq_len * _ranks(pieces)
+    return first, torch.minimum(first + seq_len + 1, torch.repeat_interleave(ends, pieces))
 
 
-def _ranks(counts: np.ndarray) -> np.ndarray:
-    """0, 1, ..., c-1 for each count c, concatenated."""
-    total = int(counts.sum())
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total) - offsets
+#: documents packed together at once (best fit among them): larger finds fuller sequences, slower
+PACK_BLOCK = 8192
 
 
-def pack(ends: np.ndarray, seq_len: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, ends) of packed sequences: whole documents, in order, as many as fit in ``seq_len + 1``
-    tokens (next fit: a document that does not fit starts the next sequence; one longer than a sequence is
-    cut into pieces as :func:`documents` cuts it)."""
-    firsts, lasts = [], []
-    s, limit, i, count = start, seq_len + 1, 0, len(ends)
-    while i < count:
-        # the last document end within reach of this sequence
-        j = int(np.searchsorted(ends, s + limit, side="right")) - 1
-        if j >= i:
-            firsts.append(s)
-            lasts.append(int(ends[j]))
-            s, i = int(ends[j]), j + 1
-        else:  # document i is longer than a sequence: a full piece of it, the rest continues
-            firsts.append(s)
-            lasts.append(s + limit)
-            s += seq_len
-            if ends[i] - s < 2:  # (only its last token left, already a target)
-                s, i = int(ends[i]), i + 1
-    return torch.tensor(firsts, dtype=torch.int64), torch.tensor(lasts, dtype=torch.int64)
+def pack(ends: np.ndarray, seq_len: int, start: int = 0, ended: bool = True
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(starts, ends, rows) of packed sequences: the documents (cut as :func:`documents` cuts them) laid into
+    rows of at most ``seq_len + 1`` tokens by best fit decreasing, in blocks of :data:`PACK_BLOCK`: each piece,
+    longest first, goes into the open row it fills most, or a new one. Rows are in the order their first
+    piece came; row ``r`` holds the spans ``rows[r]:rows[r + 1]``. ``ended=False``: the stream's last
+    document has no end-of-document token, so it gets rows of its own (a row's documents but its last must
+    end with one)."""
+    starts, stops = documents(ends, seq_len, start)
+    alone = None
+    if not ended and len(starts):  # its pieces (those beginning after the last true end) are not shared
+        last_end = int(ends[-2]) if len(ends) > 1 else start
+        alone = starts >= last_end
+    order_starts, order_stops, bounds = [], [], [0]
+    total = len(starts)
+    for block in range(0, total, PACK_BLOCK):
+        b_starts, b_stops = starts[block : block + PACK_BLOCK], stops[block : block + PACK_BLOCK]
+        shared = torch.ones(len(b_starts), dtype=torch.bool) if alone is None else ~alone[block : block + PACK_BLOCK]
+        rows = _best_fit((b_stops - b_starts)[shared].tolist(), seq_len + 1)
+        index = torch.nonzero(shared).flatten()
+        for row in rows:
+            for item in row:
+                order_starts.append(int(b_starts[index[item]]))
+                order_stops.append(int(b_stops[index[item]]))
+            bounds.append(len(order_starts))
+        for item in torch.nonzero(~shared).flatten().tolist():
+            order_starts.append(int(b_starts[item]))
+            order_stops.append(int(b_stops[item]))
+            bounds.append(len(order_starts))
+    return (torch.tensor(order_starts, dtype=torch.int64), torch.tensor(order_stops, dtype=torch.int64),
+            torch.tensor(bounds, dtype=torch.int64))
+
+
+def _best_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Items (by index) in bins of ``capacity``: largest first, each into the bin it leaves least room in."""
+    import bisect
+
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, row), sorted
+    for item in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        size = sizes[item]
+        at = bisect.bisect_left(room, (size, -1))
+        if at < len(room):
+            left, row = room.pop(at)
+            rows[row].append(item)
+            if left - size > 1:  # (a row with room for one token more has nothing left to give)
+                bisect.insort(room, (left - size, row))
+        else:
+            rows.append([item])
+            if capacity - size > 1:
+                bisect.insort(room, (capacity - size, len(rows) - 1))
+    for row in rows:
+        row.sort()  # a row's documents in their order in the stream
+    return sorted(rows, key=lambda r: r[0])
 
 
 def document_positions(inputs: torch.Tensor, document_end: int) -> torch.Tensor:

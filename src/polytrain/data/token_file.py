@@ -14,14 +14,13 @@ counts against neither a worker's ``--memory-limit`` nor its private memory. Exa
 - ``windows=documents``: each document its own sequence (a long one cut into pieces of ``seq_len``), padded
   to the batch's longest;
 - with ``--pack``: whole documents (each ends with the end-of-document token: ``eos=``, else the file's own
-  or ``--tokenizer``'s) packed in order into sequences of ``seq_len``, attention and loss kept within each;
+  or ``--tokenizer``'s) packed into sequences of ``seq_len`` by best fit, attention and loss kept within each;
 - ``test_file=val.bin`` for a separate validation file, else the last ``test_fraction`` (0.1) of the tokens
   (cut at a document's end when packing) is held out.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,32 +30,13 @@ import numpy as np
 from polytrain.data.base import DataBundle
 from polytrain.data.spans import Spans, TokenWindows, document_ends, documents, max_token
 from polytrain.data.spans import pack as pack_documents
+from polytrain.data.token_meta import DTYPES, meta_path, read_meta
 from polytrain.data.tokenizer import Tokenizer, cached_tokenizer
 from polytrain.data.tokens import check_fraction
 from polytrain.errors import ConfigError, DataError
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 WINDOWS = ("sequential", "random", "documents")
 TEST_FRACTION = 0.1
-META_SUFFIX = ".json"
-FORMAT = "polytrain-tokens"
-
-
-def meta_path(path: str | Path) -> Path:
-    return Path(str(path) + META_SUFFIX)
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """The ``FILE.bin.json`` that ``polytrain tokenize`` wrote beside a token file ({} where there is none)."""
-    meta = meta_path(path)
-    if not meta.is_file():
-        return {}
-    try:
-        found = json.loads(meta.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as exc:
-        raise DataError(f"tokens: {meta} is not the JSON polytrain tokenize writes ({exc}); remove it, or "
-                        "tokenize again") from None
-    return found if isinstance(found, dict) and found.get("format") == FORMAT else {}
 
 
 @dataclass
@@ -147,10 +127,13 @@ def _sequences(tokens: np.ndarray, seq_len: int, stride: int, windows: str, seed
         return TokenWindows(tokens, seq_len, stride, random=windows == "random", seed=seed)
     assert eos is not None
     ends = document_ends(tokens, eos)
-    starts, stops = (pack_documents if pack else documents)(ends, seq_len)
+    if pack:
+        starts, stops, rows = pack_documents(ends, seq_len, ended=len(tokens) > 0 and int(tokens[-1]) == eos)
+    else:
+        (starts, stops), rows = documents(ends, seq_len), None
     if len(starts) == 0:
         raise DataError(f"{what}: its {split} split holds no document of two tokens or more; use more data")
-    return Spans(tokens, starts, stops, eos, ends, pad_to=seq_len if pack else None, max_id=max_id)
+    return Spans(tokens, starts, stops, eos, rows, pad_to=seq_len if pack else None, max_id=max_id)
 
 
 def load(file: str | None, dtype: str | None, seq_len: int, stride: int | None, windows: str,
@@ -164,10 +147,10 @@ def load(file: str | None, dtype: str | None, seq_len: int, stride: int | None, 
     source = open_tokens(file, dtype)
     encoder = cached_tokenizer(tokenizer)
     check_tokenizer(source.meta, encoder, what)
+    if pack and windows == "random":
+        raise DataError(f"{what}: --pack lays whole documents into the sequences; leave windows=random out")
     documented = pack or windows == "documents"
     end = end_of_document(eos, source.meta, encoder, what) if documented else None
-    if pack and windows == "random":
-        raise DataError(f"{what}: --pack lays whole documents out in order; leave windows=random out")
     train, test = _split(source, test_file, test_fraction, end)
     max_id = source.meta.get("max_id")
     return (_sequences(train, seq_len, stride, windows, seed, end, pack, max_id, "training", what),
@@ -200,20 +183,3 @@ def bundle(name: str, train: TokenWindows | Spans, test: TokenWindows | Spans, s
     return DataBundle(name=name, train=train, test=test, input_shape=(seq_len,), num_classes=int(vocab),
                       task="lm", default_model="transformer_lm", vocab_size=int(vocab), seq_len=seq_len,
                       document_end=train.document_end if pack else None)
-
-
-def write_meta(path: str | Path, dtype: str, tokens: int, documents: int, eos_id: int | None,
-               tokenizer: Tokenizer | None, max_id: int, sources: list[str]) -> None:
-    """``FILE.bin.json``, written whole or not at all."""
-    meta = {"format": FORMAT, "version": 1, "dtype": dtype, "tokens": tokens, "documents": documents,
-            "eos_id": eos_id, "max_id": max_id, "vocab_size": tokenizer.vocab_size if tokenizer else max_id + 1,
-            "tokenizer": {"source": tokenizer.source, "fingerprint": tokenizer.fingerprint} if tokenizer else None,
-            "sources": sources}
-    target = meta_path(path)
-    partial = target.with_name(target.name + ".partial")
-    partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    partial.replace(target)
-
-
-def smallest_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
