@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved settings as TOML (a valid --config file) and exit")
     add_settings(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, answers_stop_signals=True)  # (from train/restart.py's StopSignal on)
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,10 @@ from the same values as ``single`` (which materialises every unit the same way).
 default (every sub-module's ``reset_parameters()``); the built-in models use it or their own.
 
 A factory whose model cannot be built on the meta device, or whose class has no ``init_unit``, is built whole
-as before (a strategy that shards or cuts the model warns what that costs).
+as before (a strategy that shards or cuts the model warns what that costs). So is one that gives its model
+weights of its own while it builds it (loads a file, sets values after constructing it: found by
+:mod:`polytrain.models.probe`): a model's weights are the user's, and only a model that arrives with nothing
+but its initialisation is initialised from the seed. :func:`build_for_run` makes that choice and says which.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import torch
 from torch import nn
 
 from polytrain.models.parts import units
+from polytrain.models.probe import Writes, build_on_meta
 
 _SEED_ATTR = "_polytrain_init_seed"
+_WRITES_ATTR = "_polytrain_factory_writes"  # on a model built whole: what its factory gave it of its own
 
 
 class UnitInit:
@@ -41,17 +46,43 @@ class UnitSequential(UnitInit, nn.Sequential):
 
 
 def build_deferred(build: Callable[[], nn.Module], seed: int) -> nn.Module | None:
-    """``build()`` on the meta device, if the model it gives can be materialised unit by unit (None: it
-    cannot; build it whole instead)."""
+    """``build()`` on the meta device, if the model it gives can be materialised unit by unit and the factory
+    gives it no weights of its own (None: build it whole instead)."""
+    return probe_factory(build, seed)[0]
+
+
+def probe_factory(build: Callable[[], nn.Module], seed: int) -> tuple[nn.Module | None, Writes | None]:
+    """(``build()`` on the meta device waiting to be materialised from ``seed``, or None: build it whole; what
+    the factory wrote into its tensors of its own, or None where it cannot be built on the meta device)."""
     try:
-        with torch.device("meta"):
-            model = build()
+        model, writes = build_on_meta(build)
     except Exception:  # noqa: BLE001 - a factory that computes with its tensors while building: not on meta
-        return None
-    if not deferrable(model):
-        return None
+        return None, None
+    if writes or not isinstance(model, nn.Module) or not deferrable(model):
+        return None, writes
     setattr(model, _SEED_ATTR, int(seed))
-    return model
+    return model, writes
+
+
+def build_for_run(build: Callable[[], nn.Module], seed: int,
+                  parts: Callable[[Callable[[], nn.Module]], nn.Module | None] | None = None) -> tuple[nn.Module, str]:
+    """The model a run starts from, and where its weights come from (the start-up line says it): on the meta
+    device, initialised from ``seed`` unit by unit, where the factory gives it nothing but its initialisation
+    and its class has ``init_unit``; else ``parts(build)`` (a strategy that makes only its part of any
+    factory's model, with the factory's own values), else built whole, as the factory makes it."""
+    deferred, writes = probe_factory(build, seed)
+    if deferred is not None:
+        return deferred, f"initialised from --seed {seed}"
+    model = parts(build) if parts is not None else None
+    if model is None:
+        model = build()
+        if writes:
+            setattr(model, _WRITES_ATTR, writes)
+    if writes:
+        return model, f"weights from the factory (it {writes.describe()})"
+    if writes is None:
+        return model, "weights from the factory"
+    return model, f"weights from the factory (its own initialisation, drawn from --seed {seed})"
 
 
 def deferrable(model: nn.Module) -> bool:
@@ -126,8 +157,15 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def describe_whole_build(model: nn.Module, spec: Any) -> str:
-    """The warning for a model built whole where a strategy would keep a part: what it costs."""
+    """The warning for a model built whole where a strategy would keep a part: what it costs, and what to do."""
     total = sum(unit_bytes(model).values()) or sum(t.numel() * t.element_size() for t in _tensors(model))
+    whole = f"every rank builds it whole ({total / 2**20:.1f} MiB of parameters and buffers) before this strategy " \
+            "keeps its part"
+    writes = getattr(model, _WRITES_ATTR, None)
+    if writes:
+        return (f"--model {spec}: its factory {writes.describe()} while it builds the model, so {whole} (the "
+                "weights are kept); only a factory that builds without weights of its own, of a class with an "
+                "init_unit(name, unit) method (polytrain.models.deferred), lets each rank make only its part")
     return (f"--model {spec} is built whole on every rank ({total / 2**20:.1f} MiB of parameters and buffers) before "
             "this strategy keeps its part: give the model's class an init_unit(name, unit) method "
             "(polytrain.models.deferred) so that it is built on the meta device and each rank materialises only "

@@ -28,7 +28,7 @@ from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
-from polytrain.models.deferred import build_deferred
+from polytrain.models.deferred import build_for_run
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.models.replay import build_parts
@@ -82,6 +82,8 @@ class Session:
     step_slices: Slice | Callable[[int], Slice]
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
+    #: where the model's starting weights come from, for the start-up line (``initialised from --seed 0``, ...)
+    weights: str = ""
 
     @property
     def log(self):
@@ -152,6 +154,7 @@ class Session:
         lines = [
             f"strategy {self.strategy.describe()}",
             f"data {self.data.describe()}",
+            f"model {cfg.model.model}: {params:,} parameters; {self.weights}" if self.weights else
             f"model {cfg.model.model}: {params:,} parameters",
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
@@ -190,9 +193,12 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
             return build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                                num_classes=data.num_outputs)
 
-        # on the meta device where the model can be materialised unit by unit: the strategy makes what it keeps
-        model = build_deferred(build, config.train.seed) or (  # replay: a pipeline makes only its stages
-            build_parts(build) if getattr(strategy, "builds_part", False) else None) or build()
+        # on the meta device where the model can be materialised unit by unit and its factory gives it no weights
+        # of its own: the strategy makes what it keeps (replay: a pipeline makes only its stages of any factory's)
+        model, weights = build_for_run(build, config.train.seed,
+                                       build_parts if getattr(strategy, "builds_part", False) else None)
+    else:
+        weights = "weights of the module given"
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
@@ -211,7 +217,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
     session = Session(config, topology, data, strategy, mine, plan, model, task, lr_schedule, total_steps,
-                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices)
+                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices,
+                      weights=weights)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
@@ -301,6 +308,7 @@ def _resume(s: Session) -> None:
     s.strategy.load_state_dict(state)
     s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
+    s.weights = f"weights from the checkpoint of step {s.start_step}"
     _continue_data(s, state)
     if len(state["rng"]) == trainers.world_size:
         restore_rng(state["rng"][trainers.rank])

@@ -190,7 +190,8 @@ class Trainer:
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
         summary = self._summary(step, totals, train_loss, last_eval)
-        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step}
+        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
+                              **self.stopping.record()}
         return summary
 
     def _checkpoint_due(self, done: int) -> bool:
