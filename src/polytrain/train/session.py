@@ -45,10 +45,10 @@ from polytrain.train.optim import build_optimizer
 from polytrain.train.unit_options import apply_unit_options, describe_unit_options
 from polytrain.train.reshard import DataPosition
 from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
-from polytrain.tasks import Task, check_takes_labels, get_task
+from polytrain.tasks import Task, check_takes_labels, get_task, packed_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
-RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
+RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "tokenizer", "pack", "optimizer")
 
 
 #: the opening line saying what is minimised, for each --loss
@@ -206,7 +206,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
         check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
-    task = get_task(data.task)
+    task = get_task(data.task) if data.document_end is None else packed_task(data.document_end, model,
+                                                                             config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
     model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
@@ -270,8 +271,8 @@ def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model:
 
 
 def _build_data(config: RunConfig) -> DataBundle:
-    from polytrain.data.registry import build_data
-    return build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+    from polytrain.data.registry import data_of
+    return data_of(config)
 
 
 def _resume(s: Session) -> None:
@@ -298,7 +299,8 @@ def _resume(s: Session) -> None:
         return
     saved = state["config"]
     current = s.config.flat()
-    clash = [k for k in RESUME_MUST_MATCH if saved.get(k) != current.get(k)]
+    defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
+    clash = [k for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != current.get(k)]
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
