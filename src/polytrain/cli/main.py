@@ -16,6 +16,7 @@ from polytrain.cli import checkpoint as checkpoint_cmd
 from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
+from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.cli.entry import starting_done
 from polytrain.distributed.processes import stop_helper_processes
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare_cmd.add_parser(sub)
     advise_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    tokenize_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
     return parser

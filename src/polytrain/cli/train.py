@@ -96,6 +96,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
+            + (f"\n  packed documents: {summary['packed_efficiency']:.1%} of the token positions are real tokens"
+               if summary.get("packed_efficiency") is not None else "")
             + _restarts_line(summary) + _lost_line(summary) + _membership_line(summary))
 
 
