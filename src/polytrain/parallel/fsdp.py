@@ -34,7 +34,8 @@ from polytrain.parallel.tp.strategy import check_tp
 from polytrain.precision import Amp, refuse_loss_scaling
 from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
 from polytrain.log import get_logger
-from polytrain.models.deferred import describe_whole_build, is_deferred, materialize, materialize_all
+from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
+                                       weights_of)
 from polytrain.models.parts import units
 
 
@@ -230,7 +231,9 @@ def shard_model(model: nn.Module, topology: Any, mesh: Any, reshard: bool = True
         if any(p.requires_grad for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **(policy or {}))
 
-    if is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
+    if is_deferred(model) and weights_of(model) is not None:  # sharded on meta: each rank reads its rows
+        materialize(model, device, before=shard)
+    elif is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
         materialize(model, device, then=shard)
     else:
         if topology.is_main:
