@@ -22,6 +22,7 @@ from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.lm import check_lm_model
 from polytrain.models.registry import check_model
+from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
@@ -79,6 +80,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
+    check_weights(config)  # --init-from, --model hf:DIR: there, readable
     if data is None:
         size, bundle = check_data_of(config)
         _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))

@@ -30,6 +30,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.deferred import build_for_run
+from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.models.replay import build_parts
@@ -203,9 +204,10 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
         # on the meta device where the model can be materialised unit by unit and its factory gives it no weights
         # of its own: the strategy makes what it keeps (replay: a pipeline makes only its stages of any factory's)
         model, weights = build_for_run(build, config.train.seed,
-                                       build_parts if getattr(strategy, "builds_part", False) else None)
+                                       build_parts if getattr(strategy, "builds_part", False) else None,
+                                       source=weights_to_load(config))
     else:
-        weights = "weights of the module given"
+        model, weights = given_model(model, weights_to_load(config))
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
