@@ -63,9 +63,8 @@ BAD_INPUT = [
      "error: --tp 3 does not divide the 4 attention heads of blocks.0.attn.qkv"),
     (["--strategy", "tp", "--tp", "2", "--model", "mlp"],
      "error: --tp: --model mlp has no tensor-parallel plan; give one with --tp-plan FILE.toml"),
-    (["--strategy", "hybrid", "--dp-shard", "2", "--pp", "2", "--tp", "2", "--model", "transformer_lm",
-      "--data", "text"], "error: --dp-shard 2 with --tp 2 in a pipeline: sharding the split layers over dp_shard "
-                         "as well is not supported"),
+    (["--strategy", "local-sgd", "--tp", "2", "--model", "transformer_lm", "--data", "text"],
+     "error: --strategy local-sgd with --tp 2: not supported (the axes it cuts a replica over: --dp-shard)"),
 ]
 
 
