@@ -76,6 +76,7 @@ def test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank(tmp_path):
 @pytest.mark.parametrize("settings, message", [
     (dict(max_restarts=2), r"--max-restarts 2 needs --checkpoint-dir DIR"),
     (dict(checkpoint_every_seconds=60), r"--checkpoint-every-seconds needs --checkpoint-dir DIR"),
+    (dict(checkpoint_background=True), r"--checkpoint-background needs --checkpoint-dir DIR"),
     (dict(max_restarts=1, checkpoint_dir="CKPT", strategy="single"),
      r"--max-restarts: --strategy single with 1 process runs inside this one, which cannot restart itself"),
 ])

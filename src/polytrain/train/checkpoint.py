@@ -48,6 +48,10 @@ class CheckpointConfig:
     on_checkpoint_error: str = option("stop", "when a checkpoint cannot be written (disk full, I/O error): stop "
                                       "the run, or warn, go on and try again at the next checkpoint",
                                       choices=ON_ERROR)
+    checkpoint_background: bool = option(False, "write the periodic checkpoints in a background thread: a step "
+                                                "waits only for the copy of the state to host memory, which counts "
+                                                "against --memory-limit (the last checkpoint is written in the "
+                                                "foreground)")
 
 
 def check_checkpoint_dir(directory: str | None) -> None:
@@ -126,10 +130,22 @@ class Checkpointer:
         checkpoint less the model and optimizer tensors) with a manifest listing every part, and moves
         ``latest``. A part the disk refuses anywhere undoes every part, and every rank raises the same
         CheckpointError (or, with ``on_error="warn"``, returns None; the main rank warns)."""
+        return self.commit_parts(meta, self.write_part(part, step, group), step, group)
+
+    def write_part(self, part: dict[str, Any], step: int, group: Any) -> tuple[Any, Any]:
+        """This rank's part of step ``step`` under its temporary name (no collective: it may run in a thread of
+        its own, :mod:`polytrain.train.background`); what :meth:`commit_parts` takes."""
+        mine = part_path(self.path(step), group.rank, group.world_size)
+        return self._write_part({"format": PART_FORMAT, "step": step, "rank": group.rank,
+                                 "parts": group.world_size, **part}, mine)
+
+    def commit_parts(self, meta: dict[str, Any] | None, written: tuple[Any, Any], step: int,
+                     group: Any) -> Path | None:
+        """The rest of :meth:`save_parts` once every rank has written its part (``written``: what
+        :meth:`write_part` returned): collective over ``group``."""
         path = self.path(step)
         mine = part_path(path, group.rank, group.world_size)
-        record, problem = self._write_part({"format": PART_FORMAT, "step": step, "rank": group.rank,
-                                            "parts": group.world_size, **part}, mine)
+        record, problem = written
         records = group.all_gather_object((record, problem))
         failed = [(rank, p) for rank, (_, p) in enumerate(records) if p is not None]
         if not failed:
@@ -236,14 +252,12 @@ class Checkpointer:
         others = [self.path(step) for step in reversed(self.steps())]
         return ([latest] if latest else []) + [p for p in others if p != latest]
 
-    def choose(self, expected: Signature | None = None, map_location: str | torch.device = "cpu",
-               lazy: bool = False) -> Choice:
+    def choose(self, expected: Signature | None = None, map_location: str | torch.device = "cpu") -> Choice:
         """The newest checkpoint that passes :func:`~polytrain.train.integrity.verify` (against the model
-        ``expected``, if given), loaded (``lazy``: mapped, its parts not put together), with the newer ones
-        that did not."""
+        ``expected``, if given), loaded, with the newer ones that did not."""
         choice = Choice(None)
         for path in self.candidates():
-            verdict = verify(path, expected, map_location, lazy)
+            verdict = verify(path, expected, map_location)
             if verdict.ok:
                 choice.good = verdict
                 return choice

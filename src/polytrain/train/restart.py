@@ -104,6 +104,8 @@ def check_restarts(config: RunConfig) -> None:
                           "to bound the work lost)")
     if restart.checkpoint_every_seconds and not directory:
         raise ConfigError("--checkpoint-every-seconds needs --checkpoint-dir DIR (where the checkpoints go)")
+    if config.checkpoint.checkpoint_background and not directory:
+        raise ConfigError("--checkpoint-background needs --checkpoint-dir DIR (where the checkpoints go)")
     if scheduler() is not None:
         check_scheduler_restarts(restart.max_restarts)
         return
