@@ -49,8 +49,8 @@ def copy_state(state: Any) -> Any:
 class CheckpointWrites:
     """This rank's checkpoint writes: at most one in flight, in a thread; the stall of each checkpoint."""
 
-    def __init__(self, background: bool):
-        self.background = background
+    def __init__(self, background: bool, name: str = "checkpoint"):
+        self.background, self.name = background, name
         self._thread: threading.Thread | None = None
         self._result: list[Any] = []  # what the write returned, or the exception it raised
         self._commit: Callable[[Any], Any] | None = None  # a sharded write's commit (collective)
@@ -94,10 +94,11 @@ class CheckpointWrites:
         return commit(result) if commit is not None else result
 
     def summary(self) -> dict[str, Any]:
-        """``checkpoint_stall_s`` for the run's summary (nothing when no periodic checkpoint was written)."""
+        """``checkpoint_stall_s`` (``snapshot_stall_s``: train/snapshot.py) for the run's summary (nothing when no
+        periodic checkpoint was written)."""
         if not self.stalls:
             return {}
-        return {"checkpoint_stall_s": {"checkpoints": len(self.stalls),
+        return {f"{self.name}_stall_s": {"checkpoints": len(self.stalls),
                                        "median": round(statistics.median(self.stalls), 4),
                                        "max": round(max(self.stalls), 4),
                                        "total": round(sum(self.stalls), 4)}}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,27 @@ class Checkpointer:
             discard(manifest_tmp)
         fsync_dir(self.directory)
         atomic_write_text(self.directory / LATEST, path.name + "\n")
+
+    def take(self, source: Path, step: int) -> Path:
+        """Copy step ``step``'s checkpoint (its file, manifest and parts) from the directory ``source`` into this
+        one and move ``latest`` to it (:mod:`polytrain.train.snapshot`); each file under a temporary name first,
+        the main file renamed into place last, so a checkpoint never appears half-copied."""
+        path = self.path(step)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        names = [p.name for p in parts_of(source, step)] + [manifest_path(path).name, path.name]
+        for name in names:  # (the main file last: its appearance is the checkpoint's)
+            tmp = tmp_path(self.directory / name)
+            try:
+                shutil.copyfile(source / name, tmp)
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.directory / name)
+            finally:
+                discard(tmp)
+        fsync_dir(self.directory)
+        atomic_write_text(self.directory / LATEST, path.name + "\n")
+        self._prune(step)
+        return path
 
     def _points_to(self, path: Path) -> bool:
         try:

@@ -107,13 +107,15 @@ class Session:
     def config_toml(self) -> str:
         return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
 
-    def save_checkpoint(self, step: int, writes: CheckpointWrites, background: bool = False) -> None:
-        """Start writing step ``step``'s checkpoint through ``writes`` (in its thread when ``background`` and
-        ``--checkpoint-background``: from a copy of the state in host memory); ``writes.settle`` waits for it and
+    def save_checkpoint(self, step: int, writes: CheckpointWrites, background: bool = False,
+                        checkpointer: Checkpointer | None = None) -> None:
+        """Start writing step ``step``'s checkpoint with ``checkpointer`` (default: the run's; a snapshot's:
+        train/snapshot.py) through ``writes`` (in its thread when ``background`` and ``writes.background``: from
+        a copy of the state in host memory); ``writes.settle`` waits for it and
         returns its path on the trainers' rank 0. Collective over the trainer ranks. A strategy that holds
         shards (``sharded_state``) has each rank write its own part, gathering nothing; any other gathers the
         whole state to rank 0."""
-        checkpointer = self.checkpointer
+        checkpointer = checkpointer or self.checkpointer
         assert checkpointer is not None
         copied = background and writes.background
         shards = self.strategy.sharded_state

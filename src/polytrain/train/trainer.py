@@ -41,6 +41,7 @@ from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
 from polytrain.train.background import CheckpointWrites
+from polytrain.train.snapshot import snapshot_due, snapshots_of
 from polytrain.train.files import atomic_save
 from polytrain.train.evaluation import EvalBatchSize, saved_first
 from polytrain.train.example_ids import example_ids
@@ -78,6 +79,8 @@ class Trainer:
         self.eval_batch = EvalBatchSize(config, s.plan.global_batch, s.slice.count,  # under --memory-limit: fits
                                         len(s.data.test) if s.data.test is not None else 0)
         self.writes = CheckpointWrites(config.checkpoint.checkpoint_background)  # train/background.py
+        self.snapshots = snapshots_of(config)  # --snapshot-every: in memory, in the background (train/snapshot.py)
+        self.snapshot_writes = CheckpointWrites(True, "snapshot")
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
@@ -100,6 +103,7 @@ class Trainer:
             return summary
         finally:
             self.writes.wait()  # a checkpoint in flight is whole before the process goes on or ends
+            self.snapshot_writes.wait()
             run_log.close()
             if self.session.stream is not None:  # its reading thread
                 self.session.stream.close()
@@ -168,6 +172,8 @@ class Trainer:
                 last_eval = self._evaluate(run_log, done)
             if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
                 self._checkpoint(done, periodic=True)
+            elif self.snapshots is not None and snapshot_due(cfg, done, s.total_steps):
+                self._checkpoint(done, periodic=True, snapshot=True)
         saved = []  # the result first (train/evaluation.py): an evaluation that fails loses nothing
         if s.checkpointer:
             saved += self._checkpoint(step)
@@ -301,25 +307,30 @@ class Trainer:
                 raise
             raise error from exc
 
-    def _checkpoint(self, step: int, periodic: bool = False) -> list[str]:
+    def _checkpoint(self, step: int, periodic: bool = False, snapshot: bool = False) -> list[str]:
         """Write step ``step``'s checkpoint (every trainer rank), after the one in flight; a ``periodic`` one in
-        the background with --checkpoint-background (train/background.py). What was written, on the trainers'
-        rank 0 (a background write: once it is settled, at the next checkpoint)."""
+        the background with --checkpoint-background (train/background.py); a ``snapshot`` in memory, in the
+        background (train/snapshot.py). What was written, on the trainers' rank 0 (a background write: once it
+        is settled, at the next checkpoint)."""
         self._check_finite()
-        self.timed.reset()
         s, started = self.session, time.perf_counter()
-        written = [self._settled(self.writes.settle(self.topology))]  # the previous one, if still in flight
-        s.save_checkpoint(step, self.writes, background=periodic)
-        if not (periodic and self.writes.background):
-            written.append(self._settled(self.writes.settle(self.topology)))
+        writes = self.snapshot_writes if snapshot else self.writes
+        if not snapshot:
+            self.timed.reset()
+        if not periodic:  # the last: the snapshot in flight settled too (a sharded one's commit is collective)
+            self.snapshot_writes.settle(self.topology)
+        written = [self._settled(writes.settle(self.topology), snapshot)]  # the previous one, if still in flight
+        s.save_checkpoint(step, writes, background=periodic, checkpointer=self.snapshots if snapshot else None)
+        if not (periodic and writes.background):
+            written.append(self._settled(writes.settle(self.topology)))
         if periodic:
-            self.writes.stalls.append(time.perf_counter() - started)
+            writes.stalls.append(time.perf_counter() - started)
         path = written[-1] if len(written) == 2 else None  # (this checkpoint's, written in the foreground)
         return [f"checkpoint {path}"] if path is not None else []
 
-    def _settled(self, path: Any) -> Any:
+    def _settled(self, path: Any, snapshot: bool = False) -> Any:
         """A checkpoint written (None: none, or warned: --on-checkpoint-error warn; or not the trainers' rank 0)."""
-        if self.topology.is_main and path is not None:
+        if self.topology.is_main and path is not None and not snapshot:
             self.session.log.info(f"checkpoint: {path}")
         return path
 
@@ -358,6 +369,7 @@ class Trainer:
             **self.straggler.summary(self.topology),
             **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
             **self.writes.summary(),
+            **self.snapshot_writes.summary(),
         }
 
 
