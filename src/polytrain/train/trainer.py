@@ -80,7 +80,7 @@ class Trainer:
                                         len(s.data.test) if s.data.test is not None else 0)
         self.writes = CheckpointWrites(config.checkpoint.checkpoint_background)  # train/background.py
         self.snapshots = snapshots_of(config)  # --snapshot-every: in memory, in the background (train/snapshot.py)
-        self.snapshot_writes = CheckpointWrites(True, "snapshot")
+        self.snapshot_writes = CheckpointWrites(self.snapshots is not None, "snapshot")  # (none: no collective)
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
