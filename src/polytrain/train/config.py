@@ -39,6 +39,11 @@ class TrainConfig:
     eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
                              metavar="N")
     eval_batch_size: int = option(256, "examples per evaluation batch per worker", minimum=1, metavar="N")
-    save_model: str | None = option(None, "write the trained model's state_dict here (torch.save)",
-                                    metavar="FILE")
+    save_model: str | None = option(None, "write the trained model here: FILE.pt (its state_dict, torch.save), "
+                                          "FILE.safetensors, or a directory (a path without a suffix, ending in /, "
+                                          "or an existing one): Hugging Face's layout, config.json of a transformers "
+                                          "model and safetensors shards, each rank writing its own, one tensor at a "
+                                          "time", metavar="FILE|DIR")
+    save_shard_size: str = option("5GB", "--save-model DIR: the most bytes of tensors per safetensors shard",
+                                  metavar="SIZE")
     deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")

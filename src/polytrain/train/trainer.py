@@ -40,6 +40,9 @@ from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
 from polytrain.train.files import atomic_save
+from polytrain.devices.memory_limit import parse_size
+from polytrain.weights.export import is_directory_target
+from polytrain.weights.save import save_model
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
@@ -279,6 +282,11 @@ class Trainer:
         if not path:
             return
         self._check_finite()
+        if is_directory_target(path) or path.endswith(".safetensors"):  # one tensor at a time, each rank its files
+            save_model(self.strategy, path, parse_size(self.config.train.save_shard_size))
+            if self.topology.is_main:
+                self.session.log.info(f"model saved to {path}")
+            return
         state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
         if self.topology.is_main:
             # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
