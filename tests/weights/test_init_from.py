@@ -15,7 +15,7 @@ from polytrain.config import make_config
 from polytrain.errors import ConfigError
 from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
-from polytrain.weights.sources import open_weights
+from polytrain.weights.opening import open_weights
 from tests.weights.conftest import LM
 
 transformers = pytest.importorskip("transformers")
