@@ -96,3 +96,27 @@ def test_save_model_and_export_write_what_from_pretrained_loads(trained, capsys)
         state = model.state_dict()
         for key, value in at_1.items():  # lr 0: the directory's weights, through the checkpoint, bit for bit
             assert torch.equal(state[key], value) and torch.equal(value, original[key]), (directory, key)
+
+
+def test_where_a_model_cannot_be_written_is_one_line_before_anything_starts(tmp_path, capsys):
+    from polytrain.errors import ConfigError
+    from polytrain.train.checkpoint import Checkpointer
+    from polytrain.train.run import check
+    from tests.weights.conftest import LM
+
+    taken = tmp_path / "finetuned"  # a file where a Hugging Face directory is asked for
+    taken.write_text("a file")
+    with pytest.raises(ConfigError, match=rf"^--save-model {taken}: is a file; give a directory to write a Hugging "
+                                          r"Face model into \(a path without a suffix, or ending in /\), or FILE\.pt"):
+        check(make_config(**LM, save_model=str(taken)))
+    with pytest.raises(ConfigError, match=r"^--save-shard-size: expected a size such as 600MiB, 2GB .*got 'lots'$"):
+        check(make_config(**LM, save_model=str(tmp_path / "out"), save_shard_size="lots"))
+    Checkpointer(tmp_path / "ck").save({"model": {"w": torch.ones(2)}, "step": 1}, 1)
+    bad_size = run_here(capsys, "checkpoint", "export", str(tmp_path / "ck"), str(tmp_path / "out"), "--shard-size",
+                        "lots")
+    assert bad_size.returncode == 2 and bad_size.stderr.startswith("polytrain: error: --shard-size: expected a size")
+    onto_a_file = run_here(capsys, "checkpoint", "export", str(tmp_path / "ck"), str(taken), "--format", "hf")
+    assert onto_a_file.returncode == 2
+    assert onto_a_file.stderr == f"polytrain: error: {taken}: is a file; give a directory to write the Hugging Face " \
+                                 "model into\n"
+    assert not (tmp_path / "out").exists()

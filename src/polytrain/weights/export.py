@@ -4,7 +4,7 @@ tensor at a time (:mod:`.safetensors_file`), never the whole model in one proces
 
 * :func:`export_source`: from a checkpoint (``polytrain checkpoint export``), in one process: each tensor read
   from the checkpoint (one file, or the parts of a sharded run) and written, then the next.
-* :func:`save_model`: at the end of training (``--save-model DIR``), collective over the trainer ranks. Each
+* :func:`polytrain.weights.save.save_model`: at the end of training (``--save-model DIR``), collective over the trainer ranks. Each
   rank says which tensors it holds (whole, or a shard of a ``DTensor``), the tensors are planned into files
   that one rank can write whole (a pipeline stage's on its rank), files going to the ranks in turn; then, tensor
   by tensor in the model's order, a sharded tensor is gathered (``full_tensor``, by the ranks sharing it) and the
@@ -39,7 +39,24 @@ def is_directory_target(path: str | os.PathLike) -> bool:
     return os.path.isdir(text) or text.endswith(os.sep) or not Path(text).suffix
 
 
-def _written_dtype(dtype: torch.dtype) -> torch.dtype:
+def check_save_model(path: str | None, shard_size: str) -> None:
+    """``--save-model`` and ``--save-shard-size`` before anything starts: one ConfigError line if the size is not
+    one, or a Hugging Face directory is asked for where a file is (or a file where a directory is)."""
+    from polytrain.devices.memory_limit import parse_size
+    from polytrain.errors import ConfigError
+
+    try:
+        parse_size(shard_size)
+    except ValueError as exc:
+        raise ConfigError(f"--save-shard-size: {exc}") from None
+    if not path:
+        return
+    if is_directory_target(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save-model {path}: is a file; give a directory to write a Hugging Face model into "
+                          "(a path without a suffix, or ending in /), or FILE.pt / FILE.safetensors for one file")
+
+
+def written_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for floating tensors (bf16-true's bfloat16 widened, exactly, as checkpoints hold them)."""
     return torch.float32 if dtype.is_floating_point else dtype
 
@@ -66,10 +83,9 @@ def finish_directory(directory: Path, records: list[dict[str, Any]], config_text
             old.unlink(missing_ok=True)
 
 
-def _files(directory: Path, planned: list[list[Entry]], single: Path | None) -> list[Path]:
-    if single is not None:
-        return [single]
-    return [directory / shard_name(k + 1, len(planned)) for k in range(len(planned))]
+def shard_paths(directory: Path, n: int) -> list[Path]:
+    """The paths of a Hugging Face directory's ``n`` shards."""
+    return [directory / shard_name(k + 1, n) for k in range(n)]
 
 
 def write_tensors(target: Path, entries: list[Entry], read: Callable[[str], torch.Tensor],
@@ -83,7 +99,7 @@ def write_tensors(target: Path, entries: list[Entry], read: Callable[[str], torc
     planned = [files for files, _ in plan_shards(entries, max_bytes if single is None else 2**63)]
     if single is None:
         target.mkdir(parents=True, exist_ok=True)
-    paths = _files(target, planned, single)
+    paths = [single] if single is not None else shard_paths(target, len(planned))
     records = []
     for entries_of, path in zip(planned, paths):
         out = SafetensorsFile(path, entries_of, {"format": "pt", **(metadata or {})})
@@ -105,5 +121,5 @@ def export_source(target: Path, source: Any, names: Iterable[str], config_text: 
     """A checkpoint's model (a :class:`~polytrain.weights.sources.Source`) written to ``target``, one tensor read
     and written at a time."""
     shapes = source.tensors()
-    entries = [Entry(name, tuple(shapes[name][0]), _written_dtype(shapes[name][1])) for name in names]
+    entries = [Entry(name, tuple(shapes[name][0]), written_dtype(shapes[name][1])) for name in names]
     return write_tensors(target, entries, source.read, config_text, max_bytes, metadata, directory)

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from polytrain.train.files import tmp_path
+from polytrain.weights.sources import INDEX
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9  # save_pretrained's shards of at most 5 GB
 
 

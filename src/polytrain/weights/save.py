@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from polytrain.errors import CheckpointError
-from polytrain.weights.export import finish_directory, hf_config_text, is_directory_target, write_tensors
-from polytrain.weights.safetensors_file import (DEFAULT_SHARD_BYTES, Entry, SafetensorsFile, plan_shards,
-                                                shard_name)
+from polytrain.weights.export import (finish_directory, hf_config_text, is_directory_target, shard_paths,
+                                      write_tensors, written_dtype)
+from polytrain.weights.safetensors_file import DEFAULT_SHARD_BYTES, Entry, SafetensorsFile, plan_shards
 
 _SHARDED, _WHOLE, _NONE = "d", "w", "-"
 
@@ -34,8 +34,7 @@ def _held(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, str]
 
 
 def _entry(name: str, shape: tuple[int, ...], dtype: str) -> Entry:
-    dtype_ = getattr(torch, dtype)
-    return Entry(name, shape, torch.float32 if dtype_.is_floating_point else dtype_)
+    return Entry(name, shape, written_dtype(getattr(torch, dtype)))
 
 
 def save_model(strategy: Any, target: str | Path, max_bytes: int = DEFAULT_SHARD_BYTES) -> None:
@@ -77,13 +76,13 @@ def _save_held(strategy: Any, tables: list[list[tuple]], target: Path, config_te
     if not directory and len(planned) > 1:
         return False
     writer = [sorted(ranks)[k % len(ranks)] for k, (_, ranks) in enumerate(planned)]
-    paths = [target / shard_name(k + 1, len(planned)) for k in range(len(planned))] if directory else [target]
+    paths = shard_paths(target, len(planned)) if directory else [target]
     file_of = {entry.name: k for k, (entries_of, _) in enumerate(planned) for entry in entries_of}
-    if directory:
-        target.mkdir(parents=True, exist_ok=True)
     opened: dict[int, SafetensorsFile] = {}
     problem = None
     try:
+        if directory:
+            target.mkdir(parents=True, exist_ok=True)
         for k, (entries_of, _) in enumerate(planned):
             if writer[k] == me:
                 opened[k] = SafetensorsFile(paths[k], entries_of)
@@ -119,7 +118,7 @@ def _save_held(strategy: Any, tables: list[list[tuple]], target: Path, config_te
         opened[k].place()
     everyone = [r for rs in trainers.all_gather_object(records) for r in rs]  # (every file in place after it)
     if directory and trainers.is_main:
-        finish_directory(target, sorted(everyone, key=lambda r: r["file"]), config_text)
+        _guarded(lambda: finish_directory(target, sorted(everyone, key=lambda r: r["file"]), config_text), target)
     trainers.barrier()
     return True
 
