@@ -26,7 +26,7 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
   is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
   order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
   (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`), and ``--save-model DIR`` is written from it
-  one tensor at a time, each rank its own files (:mod:`polytrain.weights.save`).
+  one tensor at a time (:mod:`polytrain.weights.save`).
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
 overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).

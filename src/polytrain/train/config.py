@@ -42,8 +42,8 @@ class TrainConfig:
     save_model: str | None = option(None, "write the trained model here: FILE.pt (its state_dict, torch.save), "
                                           "FILE.safetensors, or a directory (a path without a suffix, ending in /, "
                                           "or an existing one): Hugging Face's layout, config.json of a transformers "
-                                          "model and safetensors shards, each rank writing its own, one tensor at a "
-                                          "time", metavar="FILE|DIR")
+                                          "model and safetensors shards, written one tensor at a time",
+                                    metavar="FILE|DIR")
     save_shard_size: str = option("5GB", "--save-model DIR: the most bytes of tensors per safetensors shard",
                                   metavar="SIZE")
     deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")

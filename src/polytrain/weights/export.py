@@ -4,13 +4,14 @@ tensor at a time (:mod:`.safetensors_file`), never the whole model in one proces
 
 * :func:`export_source`: from a checkpoint (``polytrain checkpoint export``), in one process: each tensor read
   from the checkpoint (one file, or the parts of a sharded run) and written, then the next.
-* :func:`polytrain.weights.save.save_model`: at the end of training (``--save-model DIR``), collective over the trainer ranks. Each
-  rank says which tensors it holds (whole, or a shard of a ``DTensor``), the tensors are planned into files
-  that one rank can write whole (a pipeline stage's on its rank), files going to the ranks in turn; then, tensor
-  by tensor in the model's order, a sharded tensor is gathered (``full_tensor``, by the ranks sharing it) and the
-  rank writing its file writes it. Each rank writes its own files; rank 0 writes the index and the config
-  last. A strategy whose ranks' tensors are not the model (replicas averaged at saving, parameter servers:
-  no ``held_state`` capability) hands its ``state_dict`` to rank 0, which writes it the same way.
+* :func:`polytrain.weights.save.save_model`: at the end of training (``--save-model DIR``), collective over the
+  trainer ranks. Each rank says which tensors it holds (whole, or a shard of a ``DTensor``), the tensors are
+  planned into files that one rank can write whole (a pipeline stage's on its rank), each file going to the
+  lowest rank that can write it (rank 0 wherever it holds or gathers every tensor, so runs over machines without a shared file system
+  leave one complete directory); then, tensor by tensor in the model's order, a sharded tensor is gathered
+  (``full_tensor``, by the ranks sharing it) and the rank writing its file writes it. Rank 0 writes the index
+  and the config last. A strategy whose ranks' tensors are not the model (replicas averaged at saving,
+  parameter servers: no ``held_state`` capability) hands its ``state_dict`` to rank 0, which writes it the same way.
 
 Files are written under temporary names and renamed into place once every file is complete; the index comes
 last, and shards an earlier save left that the new index does not name are removed.

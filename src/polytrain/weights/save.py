@@ -1,5 +1,5 @@
 """``--save-model DIR`` (or ``FILE.safetensors``) at the end of training: collective over the trainer ranks,
-each rank writing its own files one tensor at a time (see :mod:`.export`)."""
+each file written by the lowest rank that holds (or gathers) its tensors, one tensor at a time (see :mod:`.export`)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def save_model(strategy: Any, target: str | Path, max_bytes: int = DEFAULT_SHARD
 
 def _save_held(strategy: Any, tables: list[list[tuple]], target: Path, config_text: str | None,
                max_bytes: int) -> bool:
-    """Each rank writes the files it was given, gathering sharded tensors one at a time; False (nothing done)
-    where some tensor has no rank holding it, or one file has no rank that could write it whole."""
+    """Each file is written by the lowest rank that can write it whole, sharded tensors gathered one at a time;
+    False (nothing done) where some tensor has no rank holding it, or one file has no rank that could write it whole."""
     trainers, me = strategy.trainers, strategy.trainers.rank
     mine = tables[me]
     names = [row[0] for row in mine]
@@ -75,7 +75,9 @@ def _save_held(strategy: Any, tables: list[list[tuple]], target: Path, config_te
     planned = plan_shards(entries, max_bytes if directory else 2**63, able)
     if not directory and len(planned) > 1:
         return False
-    writer = [sorted(ranks)[k % len(ranks)] for k, (_, ranks) in enumerate(planned)]
+    # the lowest rank able writes each file: rank 0 all of them where it holds (or gathers) every tensor, so a
+    # run over machines that share no file system still leaves one complete directory on rank 0's
+    writer = [min(ranks) for _, ranks in planned]
     paths = shard_paths(target, len(planned)) if directory else [target]
     file_of = {entry.name: k for k, (entries_of, _) in enumerate(planned) for entry in entries_of}
     opened: dict[int, SafetensorsFile] = {}
