@@ -35,6 +35,7 @@ from torch import nn
 #: (but a bucketed language-model run's first steps may be shorter than its longest)
 MEASURED_STEPS = 4
 MIB = float(1 << 20)
+_NOTHING = contextlib.nullcontext()
 
 
 # -- what autograd saves for backward -------------------------------------------------------------------
@@ -211,12 +212,19 @@ class MemoryMeter:
         self._peaks: list[int] = []  # the measured steps' activations
         reset_peak(self.device)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    @property
+    def done(self) -> bool:
+        """Whether the measured steps are over (a later step needs no :meth:`step`)."""
+        return len(self._peaks) >= self.measured_steps
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
         """Around one training step: its activations are counted if it is one of the first steps."""
-        if len(self._peaks) >= self.measured_steps:
-            yield
-            return
+        if self.done:
+            return _NOTHING
+        return self._measured()
+
+    @contextlib.contextmanager
+    def _measured(self) -> Iterator[None]:
         counter = SavedTensors()
         with counter.hooks():
             yield
