@@ -30,8 +30,13 @@ def test_help_reads_well(cli_env):
 
 
 def test_devices_lists_the_cpu(cli_env):
-    table = polytrain("devices", env=cli_env)
+    table = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "devices"], env=cli_env,
+                           capture_output=True, text=True, timeout=120)
     assert table.returncode == 0 and "cpu" in table.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in table.stderr.splitlines() if line.startswith("import time:")}
+    assert "polytrain.devices.discovery" in imported and "polytrain.components" not in imported  # no strategy
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and sys.platform != "darwin":
+        assert "torch" not in imported  # a CPU build: nothing to ask torch about
     listed = json.loads(polytrain("devices", "--json", env=cli_env).stdout)
     cpu = [d for d in listed if d["name"] == "cpu"]
     assert cpu and cpu[0]["cores"] >= 1

@@ -23,19 +23,41 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
 
 
 def main() -> int:
+    from polytrain.train.startup import mark, process_started_at
+
+    mark(process_started_at())  # the summary's startup_s counts from here (imports included)
     saved = {}
     for name in _SIGNALS:
         if hasattr(signal, name):
             sig = getattr(signal, name)
             saved[sig] = signal.signal(sig, _stopped_while_starting)
     try:
-        from polytrain.cli.main import main as command
+        light = _light_command(sys.argv[1:])
+        if light is None:
+            from polytrain.cli.main import main as command
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)
-    code = command()
+    code = light() if light is not None else command()
     exit_now(code)
     return code  # (not reached)
+
+
+#: commands that need neither the settings nor the strategies: their module alone is imported (torch, not
+#: torch.distributed's tensor, pipelining and compiler modules that registering every strategy imports)
+LIGHT_COMMANDS = {"devices": "polytrain.cli.devices"}
+
+
+def _light_command(argv: list[str]):
+    """The command's function when ``argv`` names a light command (``polytrain devices ...``), else None."""
+    if not argv or argv[0] not in LIGHT_COMMANDS:
+        return None
+    import importlib
+
+    from polytrain.cli.main_light import run_light
+
+    module = importlib.import_module(LIGHT_COMMANDS[argv[0]])
+    return lambda: run_light(module, argv)
 
 
 def exit_now(code: object) -> None:
