@@ -20,9 +20,14 @@ class Parser(argparse.ArgumentParser):
 def run_light(module: ModuleType, argv: Sequence[str]) -> int:
     from polytrain.errors import PolytrainError
 
+    from polytrain.cli.starting import starting_done
+
     parser = Parser(prog="polytrain")
     module.add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser))
-    args = parser.parse_args(list(argv))
+    try:
+        args = parser.parse_args(list(argv))
+    finally:
+        starting_done()  # the stop signals' own handlers again (cli/starting.py)
     try:
         return args.handler(args)
     except PolytrainError as exc:
