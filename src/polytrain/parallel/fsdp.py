@@ -11,9 +11,11 @@ sees a whole tensor.
 
 Equal to ``single`` on the whole batch: the slices' losses are weighed as ``sync``'s, the reduce-scatter
 averages; ``--accumulate K`` defers the reduce-scatter to the last micro-batch; ``--clip-grad-norm`` clips
-the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints and
-``--save-model`` hold the whole model and optimizer state as ``single`` saves them, so a run resumes into any
-strategy and any world size (the gather happens on the workers, one tensor at a time, into rank 0's memory).
+the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints are written in
+parts, each rank its rows (``sharded_state``), and read back by rows (``held_state``): a run resumes into any
+strategy and any world size, and a resumed fsdp rank reads only the rows it holds. ``--save-model DIR`` is
+written one tensor at a time (:mod:`polytrain.weights.save`); ``state_dict`` (``--save-model FILE.pt``) gathers
+the whole model into rank 0's memory, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
 from polytrain.models.parts import units
+from polytrain.train.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -88,6 +91,7 @@ class FullyShardedDataParallel(Strategy):
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.topology.distributed:
+            self.held_state = HeldState(self)
             return materialize_all(model).to(self.topology.device)
         # over dp_shard; HSDP over dp_replicate x dp_shard (each replica's shards, the replicas all-reduced)
         mesh = self.topology.submesh("dp_replicate", "dp_shard")
@@ -100,6 +104,7 @@ class FullyShardedDataParallel(Strategy):
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         if mesh.ndim == 1 and tp is None:  # checkpoints in parts: each rank writes its shards (rows over one axis)
             self.sharded_state = _Shards(self)
+            self.held_state = HeldState(self)  # ... and reads only its rows of any checkpoint
         return model
 
     def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:

@@ -2,9 +2,10 @@
 metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with sinks enabled.
 
 The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
-``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec``,
-``sec_per_batch``, ``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall
-seconds since the loop began, ...),
+``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec`` and ``sec_per_batch`` (over the latest
+max(``--log-every``, 50) steps after the first 5, each step's own seconds: not the log points' work),
+``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall seconds since the loop
+began, ``eta_s``: the wall seconds the steps left should take, ...),
 ``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
 ``eval_accuracy``, ``wall_s``, each trainer rank's memory: ``peak_memory_mb``, ``rank_peak_memory_mb``,
 ``rank_state_mb``, ``rank_activation_mb``, ``rank_memory_bytes`` (:mod:`polytrain.train.memory`), ...).
@@ -16,6 +17,7 @@ config, each step's and evaluation's numbers under TensorBoard's names, the summ
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,15 @@ def _number(value: Any) -> bool:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def clock(seconds: float | None) -> str:
+    """Seconds as the progress line shows them: ``0:07``, ``12:34``, ``1:02:03`` (``?`` when not known)."""
+    if seconds is None:
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def step_scalars(record: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +101,25 @@ class RunLog:
         if tracking is not None and tracking.tracker:
             from polytrain.train.trackers import open_trackers  # imports a tracker's library: only when asked for
             self._trackers = open_trackers(tracking)
+        self._open_sinks()
+
+    def take_over(self) -> None:
+        """This rank logs from now on (``--on-failure continue``: rank 0 was lost and this rank is the lowest
+        survivor): the metrics file (appended to), TensorBoard and the console go on here; a tracker's run
+        (``--tracker``) was the lost rank's and is not resumed."""
+        if self.enabled:
+            return
+        self.enabled = True
+        metrics = Path(self.cfg.metrics_file) if self.cfg.metrics_file else None
+        if metrics is not None and metrics.is_file() and metrics.stat().st_size:
+            with open(metrics, "rb+") as fh:  # a record the lost rank left half-written ends here, on its own line
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+        self._open_sinks()
+
+    def _open_sinks(self) -> None:
+        cfg, total_steps = self.cfg, self.total_steps
         use_bar = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
         if use_bar:
             from tqdm import tqdm
@@ -142,7 +172,8 @@ class RunLog:
                                       f"{record['examples_per_sec']:.0f} ex/s{per_rank}", refresh=False)
         elif self.cfg.progress != "off":
             self.log.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.4g}  "
-                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch"
+                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch  "
+                          f"elapsed {clock(record.get('time_s'))}  left {clock(record.get('eta_s'))}"
                           + (f" {per_rank}" if per_rank else ""))
 
     def advance(self, steps: int = 1) -> None:

@@ -34,6 +34,7 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
 from polytrain.precision import refuse_loss_scaling
+from polytrain.train.held import HeldState
 from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
 from polytrain.parallel.tp.config import TensorParallelConfig
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
@@ -53,6 +54,7 @@ class TensorParallel(Strategy):
         if not topology.distributed:
             raise ConfigError("--strategy tp splits layers over --tp processes; it cannot run in one process")
         super().__init__(topology, options, layout)
+        self.held_state = HeldState(self)  # a resume reads each rank's block of the split layers
         self.plan: TensorPlan | None = None
         self._max_norm: float | None = None
 
