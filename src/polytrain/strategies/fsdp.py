@@ -32,7 +32,7 @@ from polytrain.precision import Amp
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize, materialize_all
-from polytrain.models.parts import units
+from polytrain.models.parts import retie, unit_groups, units
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -79,8 +79,7 @@ class FullyShardedDataParallel(Strategy):
         policy = self._policy()
 
         def shard(name: str, unit: nn.Module) -> None:
-            if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
+            shard_group([unit], mesh, reshard_after_forward=reshard, **policy)
 
         if is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
             materialize(model, device, then=shard)
@@ -88,8 +87,8 @@ class FullyShardedDataParallel(Strategy):
             if self.topology.is_main:
                 get_logger().warning(describe_whole_build(model, type(model).__name__))
             model = model.to(device)
-            for name, unit in units(model):
-                shard(name, unit)
+            for group in unit_groups(units(model)):  # units sharing a tensor (tied weights): one shard group
+                shard_group([unit for _, unit in group], mesh, reshard_after_forward=reshard, **policy)
         root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
@@ -161,6 +160,7 @@ class FullyShardedDataParallel(Strategy):
         by_name = get_optimizer_state_dict(self.model, self.optimizer, options=full) if optimizer else None  # rank 0's)
         if not self.trainers.is_main:
             return None
+        model = retie(model, self.model)  # a tied tensor one tensor, as single saves it
         if optimizer:  # the hyper-parameters as torch.optim keeps them (tuples stay tuples), the state by index
             groups = self.optimizer.state_dict()["param_groups"]
             by_name = {"state": _indexed(by_name["state"], self._names()), "param_groups": groups}
@@ -181,6 +181,17 @@ class FullyShardedDataParallel(Strategy):
         """The parameters' names in the order ``single``'s optimizer numbers them."""
         assert self.model is not None
         return [name for name, _ in self.model.named_parameters()]
+
+
+def shard_group(modules: list[nn.Module], mesh: Any, **options: Any) -> None:
+    """``fully_shard`` the ``modules`` as one shard group (one all-gather, one reduce-scatter; a tensor they
+    share stays one tensor), if they hold a parameter that trains. A container without a forward of its own
+    (an ``nn.ModuleDict``) is left to the group of the module above it."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = [m for m in modules if type(m).forward is not nn.Module.forward]
+    if any(p.requires_grad for m in modules for p in m.parameters()):
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **options)
 
 
 class _Shards:

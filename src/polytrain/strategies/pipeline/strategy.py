@@ -48,6 +48,7 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
+from polytrain.models.parts import retie
 from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
@@ -463,7 +464,7 @@ class Pipeline(TracedRun, Strategy):
             return None
         for part in parts:
             whole.update(part)
-        return self._retie(whole)
+        return retie(whole, self.model)
 
     def _optimizer_state(self) -> dict[str, Any]:
         """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model

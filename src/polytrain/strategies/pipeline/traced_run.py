@@ -22,6 +22,7 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build
+from polytrain.models.parts import tied_groups
 from polytrain.strategies.pipeline import split, traced
 from polytrain.strategies.step import _model_global_units, loss_divisor
 
@@ -139,10 +140,12 @@ class TracedRun:
         self._owned_set = set().union(*(names[s] for s in self.mine))
         if self._replay is not None:  # this rank's stages made now, with single's values; nothing else
             self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
+            for stage in self.mine:  # the buffers made are new objects (a Parameter keeps its object)
+                traced.adopt(self.modules[stage], self.model)
         keep = {id(t) for s in self.mine for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]}
         self.owned = [p for p in self.model.parameters() if id(p) in keep]
         self._ties = []
-        for group in traced.tied_groups(self.model):
+        for group in tied_groups(self.model):
             holders = sorted({s for s in range(self.num_stages) if names[s] & set(group)})
             if len(holders) > 1:
                 param = self.model.get_parameter(group[0])
@@ -216,17 +219,6 @@ class TracedRun:
     def _counted_once(self) -> set[int]:
         """The ids of tied parameters whose gradient another rank counts in the norm (not this one)."""
         return {id(param) for param, _, first, _ in self._ties if not first}
-
-    def _retie(self, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole model's state with each tied group's names holding one tensor, as ``single``'s does."""
-        by_id: dict[int, list[str]] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(param), []).append(name)
-        for group in by_id.values():
-            for name in group[1:]:
-                if group[0] in whole and name in whole:
-                    whole[name] = whole[group[0]]
-        return whole
 
     # -- evaluation --------------------------------------------------------------------------------
 
