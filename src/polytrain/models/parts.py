@@ -83,3 +83,13 @@ def retie(state: dict, model: nn.Module) -> dict:
             if group[0] in state and name in state:
                 state[name] = state[group[0]]
     return state
+
+
+def tie_again(model: nn.Module, groups: list[list[str]]) -> None:
+    """After a change that gave each name its own new Parameter (tensor parallel splits module by module):
+    each of ``groups`` (:func:`tied_groups` from before it) one Parameter again, its first name's."""
+    for group in groups:
+        first = model.get_parameter(group[0])
+        for name in group[1:]:
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent)._parameters[leaf] = first

@@ -48,7 +48,8 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
-from polytrain.models.parts import retie
+from polytrain.models.parts import retie, unit_groups
+from polytrain.strategies.fsdp import shard_group
 from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
@@ -223,12 +224,16 @@ class Pipeline(TracedRun, Strategy):
         assert self.optimizer is not None
         held = self.optimizer.state_dict()
         mesh = self.topology.mesh["dp"]
+        before = {s: dict(self.modules[s].named_parameters(remove_duplicate=False)) for s in self.mine}
         for stage in self.mine:
             module = self.modules[stage]
-            for unit in module:
-                if any(p.requires_grad for p in unit.parameters()):
-                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            parts, ignored = self._stage_parts(stage) if self.is_traced else \
+                (list(zip(self.split.stage_units(stage), module)), set())
+            for group in unit_groups(parts):  # units sharing a tensor (tied weights): one shard group
+                shard_group([unit for _, unit in group], mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+        if self.is_traced:  # the traced stages' modules are not the model's: its names take their shards
+            self._adopt_shards(before)
         self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
         self._stage_bytes = sum(p.numel() * p.element_size() for p in self.owned)
         self.optimizer = self._make_optimizer(self.model.parameters())
@@ -405,6 +410,9 @@ class Pipeline(TracedRun, Strategy):
         with self.amp.autocast():
             if self.is_traced:
                 out = self._traced_eval(inputs, targets)
+                if self.sharded:  # gathered for the forward: back to this rank's shards
+                    for module in self.modules.values():
+                        _reshard(module)
                 return None if out is None else torch.stack(
                     [v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
