@@ -48,5 +48,20 @@ def test_model_argument_errors_list_only_what_the_user_may_give_and_echo_a_bad_v
     with pytest.raises(ConfigError, match=r"^--model mlp:foo=1: unknown argument\(s\) foo; accepted: hidden, "
                                           r"activation$"):
         build_model("mlp:foo=1", input_shape=(64,), num_classes=10)  # input_shape/num_classes are polytrain's
-    with pytest.raises(ConfigError, match=r"^--model mlp:hidden=abc: .* \(given hidden='abc'\)$"):
-        build_model("mlp:hidden=abc", input_shape=(64,), num_classes=10)
+    with pytest.raises(ConfigError, match=r"^--model mlp:hidden=0.5: .* \(given hidden=0.5\)$"):
+        build_model("mlp:hidden=0.5", input_shape=(64,), num_classes=10)
+
+
+def test_text_where_a_factory_takes_numbers_is_one_line_before_launch(capsys):
+    from polytrain.cli.main import main
+
+    assert main(["train", "--model", "mlp:hidden=abc", "--steps", "1"]) == 2  # checked before any worker starts
+    assert capsys.readouterr().err.strip() == (
+        "polytrain: error: --model mlp:hidden=abc: hidden='abc' is not a value hidden takes (int | Sequence[int]); "
+        "write e.g. hidden=64 or hidden=64x32")
+    with pytest.raises(ConfigError, match=r"^--model transformer_lm:dropout=x: dropout='x' is not a value dropout "
+                                          r"takes \(float\); write e.g. dropout=0.1$"):
+        build_model("transformer_lm:dropout=x", input_shape=(16,), num_classes=8)
+    with pytest.raises(ConfigError, match=r"^--data synthetic:size=many: size='many' .*write e.g. size=64$"):
+        from polytrain.data.registry import check_data
+        check_data("synthetic:size=many")

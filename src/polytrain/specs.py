@@ -125,10 +125,47 @@ def load_factory(path: str, *, what: str) -> Callable[..., Any]:
     return factory
 
 
+_NUMERIC_HINT = re.compile(r"[A-Za-z_]+")
+#: the words of an annotation that takes numbers only (``int``, ``float | None``, ``int | Sequence[int]``)
+_NUMERIC_WORDS = {"int", "float", "bool", "None", "Sequence", "tuple", "Tuple", "list", "List", "Optional",
+                  "Union", "typing"}
+
+
+def _numeric_examples(annotation: str) -> list[str] | None:
+    """Values to show for a parameter annotated ``annotation`` (a string, as ``from __future__ import
+    annotations`` keeps it) when it takes numbers only; None when it may take text."""
+    words = set(_NUMERIC_HINT.findall(annotation))
+    if not words or not words <= _NUMERIC_WORDS or not words & {"int", "float", "bool"}:
+        return None
+    if words & {"Sequence", "tuple", "Tuple", "list", "List"}:
+        return ["64", "64x32"]
+    if words <= {"bool", "None", "Optional"}:
+        return ["true", "false"]
+    return ["64"] if "float" not in words else ["0.1"]
+
+
+def check_value_types(fn: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> None:
+    """One ConfigError line for a user argument given as text where ``fn``'s annotation takes numbers only
+    (``mlp:hidden=abc``), before ``fn`` compares it with a number and fails with Python's own words."""
+    params = inspect.signature(fn).parameters
+    for key, value in kwargs.items():
+        param = params.get(key)
+        if key.startswith("_") or param is None or not isinstance(value, str) or param.annotation is param.empty:
+            continue
+        annotation = param.annotation if isinstance(param.annotation, str) else getattr(
+            param.annotation, "__name__", str(param.annotation))
+        examples = _numeric_examples(annotation)
+        if examples is not None:
+            shown = " or ".join(f"{key}={e}" for e in examples)
+            raise ConfigError(f"{what}: {key}={value!r} is not a value {key} takes ({annotation}); write e.g. {shown}")
+
+
 def check_accepted(fn: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> None:
     """One ConfigError line if ``fn`` does not accept a user argument of ``kwargs`` (keys starting with ``_``
-    are polytrain's context, offered but optional, and not listed as accepted)."""
+    are polytrain's context, offered but optional, and not listed as accepted), or is given text where it
+    takes numbers only."""
     sig = inspect.signature(fn)
+    check_value_types(fn, what, kwargs)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return
     unknown = [k for k in kwargs if not k.startswith("_") and k not in sig.parameters]

@@ -51,7 +51,7 @@ def test_a_bad_limit_is_one_line_before_anything_starts(cli_env):
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("value", ["-1GB", "lots"])
+@pytest.mark.parametrize("value", ["-1GB", "lots", "1KB"])
 def test_bad_limits_from_the_command_line(capsys, value):
     assert main(["train", f"--memory-limit={value}", "--steps", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -117,7 +117,7 @@ def test_past_the_limit_in_evaluation_the_line_says_eval_batch_size():
         with pytest.raises(MemoryLimitError) as caught, memory_limit.evaluating(256):
             raise allocator
         assert re.fullmatch(r"\[rank 1\] out of memory under --memory-limit 8GiB per worker: allocating 100.0 MiB "
-                            r"with [\d.]+ [KMG]?i?B of it in use would pass it; in evaluation: give a smaller "
+                            r"with ([\d.]+ [KMG]?i?B of it in use|none of it in use yet) would pass it; in evaluation: give a smaller "
                             r"--eval-batch-size \(now 256 per worker\)", str(caught.value)), str(caught.value)
         assert memory_error(allocator).args[0].endswith(ADVICE)  # outside evaluation: the usual advice
     with memory_limit.evaluating(256):  # no limit in force: nothing changes
@@ -154,6 +154,26 @@ def test_errors_past_the_limit_become_one_line_and_others_stay_what_they_are():
         assert memory_error(other) is other
         with pytest.raises(ConfigError):  # errors that are not the limit's leave the block as they are
             raise ConfigError("bad")
+
+
+def test_the_peers_hear_the_limits_line_and_none_in_use_is_not_0_bytes(monkeypatch):
+    from polytrain.distributed.context import with_heartbeat
+
+    class Beat:
+        message = None
+
+        def failed(self, message):
+            self.message = message
+
+    def fails():  # oneDNN's words for a kernel it had no memory for
+        raise RuntimeError("could not create a primitive")
+
+    beat = Beat()
+    with pytest.raises(MemoryLimitError) as caught, limited("8GiB", torch.device("cpu"), rank=1) as applied:
+        monkeypatch.setattr(memory_limit, "vm_data", lambda: applied.baseline)  # nothing allocated since the start
+        with_heartbeat(beat, fails)
+    assert beat.message == str(caught.value)  # what the others log is the launcher's line, not the RuntimeError
+    assert "allocating memory with none of it in use yet would pass it" in beat.message, beat.message
 
 
 _COUNTS_FROM_START = """

@@ -24,12 +24,12 @@ def test_an_mlflow_run_holds_the_config_every_metric_step_the_summary_and_the_mo
     mlflow = pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.chdir(tmp_path)  # MLflow puts a sqlite store's artifacts under ./mlruns
-    uri = f"sqlite:///{tmp_path / 'runs.db'}"
-    summary = polytrain.fit(tracker=[f"mlflow:{uri}"], tracker_project="digits", tracker_run_name="first",
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "store").mkdir()  # a plain directory: the store is store/mlflow.db, the artifacts store/artifacts
+    summary = polytrain.fit(tracker=["mlflow:store"], tracker_project="digits", tracker_run_name="first",
                             metrics_file=str(tmp_path / "m.jsonl"), save_model=str(tmp_path / "model.pt"), **BASE)
 
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("digits")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "first"
@@ -63,6 +63,8 @@ def test_an_mlflow_run_holds_the_config_every_metric_step_the_summary_and_the_mo
         .read_text()
     model = Path(client.download_artifacts(run.info.run_id, "model/model.pt", str(tmp_path / "d")))
     assert model.read_bytes() == (tmp_path / "model.pt").read_bytes()
+    assert (tmp_path / "store" / "artifacts" / run.info.run_id / "artifacts" / "model" / "model.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "m.jsonl", "model.pt", "store"]  # nothing else
     assert mlflow.__version__
 
 
@@ -138,7 +140,11 @@ def test_bad_tracker_values_are_one_line_before_anything_starts(monkeypatch):
              (["wandb:cloudy"], "--tracker: 'wandb:cloudy': unknown W&B mode 'cloudy'; accepted: offline, online, "
                                 "disabled"),
              (["mlflow:"], "--tracker: 'mlflow:': nothing after the colon; give mlflow:URI or wandb:MODE"),
-             (["wandb", "wandb:offline"], "--tracker: wandb is given twice; give each tracker once")]
+             (["wandb", "wandb:offline"], "--tracker: wandb is given twice; give each tracker once"),
+             (["mlflow:/nonexistent/dir"], "--tracker: 'mlflow:/nonexistent/dir': the directory /nonexistent/dir does "
+                                           "not exist; create it (mkdir -p /nonexistent/dir) or give an MLflow URI"),
+             (["mlflow:file:///nonexistent/dir"], "--tracker: 'mlflow:file:///nonexistent/dir': the directory "
+                                                  "/nonexistent/dir does not exist")]
     for value, text in cases:
         with pytest.raises(ConfigError) as info:
             make_config(tracker=value)

@@ -2,8 +2,10 @@
 
 Importing the command (torch and every component) takes a second or more. A stop signal (SIGTERM, SIGINT,
 SIGHUP, SIGUSR1) in that time ends the command with :data:`~polytrain.distributed.stop.EXIT_STOPPED` and one
-line, as a stop before training began does later: nothing had started, nothing is lost. Once imported, the
-command installs its own handlers where it starts work (``polytrain train``: :mod:`polytrain.train.restart`).
+line, as a stop before training began does later: nothing had started, nothing is lost. So it does while the
+command reads its arguments, until a command that answers stop signals itself installs its own handlers where
+it starts work (``polytrain train``: :mod:`polytrain.train.restart`); for any other command the signals' former
+handlers are back before it starts (:func:`starting_done`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,27 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
     os._exit(75)  # nothing to clean up yet: only imports have run
 
 
+_saved: dict[int, object] = {}  # the handlers before this module's, while they are installed
+
+
+def starting_done() -> None:
+    """Put back the stop signals' handlers from before the command started (no-op when none is saved)."""
+    while _saved:
+        sig, old = _saved.popitem()
+        signal.signal(sig, old)
+
+
 def main() -> int:
-    saved = {}
     for name in _SIGNALS:
         if hasattr(signal, name):
             sig = getattr(signal, name)
-            saved[sig] = signal.signal(sig, _stopped_while_starting)
+            _saved[sig] = signal.signal(sig, _stopped_while_starting)
     try:
         from polytrain.cli.main import main as command
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
-    code = command()
+    except BaseException:
+        starting_done()
+        raise
+    code = command()  # (it calls starting_done() once its arguments are read)
     exit_now(code)
     return code  # (not reached)
 

@@ -49,6 +49,7 @@ _CPU_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
 _GPU_BYTES = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _MMAP_THRESHOLD = 1 << 20  # under a limit, blocks of 1 MiB and more go back to the kernel when freed
 _NO_MEMORY = ("can't allocate memory", "std::bad_alloc", "could not create a primitive")
+SMALLEST = 1 << 20  # the least --memory-limit: below it a worker fails at its first allocations
 _CACHED_STACKS = 5  # glibc caches 40 MiB of ended threads' stacks: five of 8 MiB (the default)
 ADVICE = ("try --strategy fsdp, more --workers, --activation-checkpointing full or --precision bf16-mixed "
           "(polytrain plan estimates each rank's memory)")
@@ -68,7 +69,10 @@ def parse_size(text: str | int) -> int:
 
 
 def check_memory_limit(text: str) -> None:
-    parse_size(text)
+    """A size, and at least :data:`SMALLEST` (less fails at a worker's first allocations, before any step)."""
+    if parse_size(text) < SMALLEST:
+        raise ValueError(f"'{text}' is less than {format_bytes(SMALLEST)}, less than a worker allocates before its "
+                         "first step; give a size such as 600MiB (polytrain plan estimates each rank's memory)")
 
 
 @dataclass
@@ -148,7 +152,8 @@ def memory_error(exc: BaseException) -> BaseException:
     if applied.device.type == "cuda":
         where = f"on {applied.device}"
     else:
-        where = f"with {format_bytes(max(0, vm_data() - applied.baseline))} of it in use"
+        in_use = max(0, vm_data() - applied.baseline)
+        where = f"with {format_bytes(in_use)} of it in use" if in_use >= mmap.PAGESIZE else "with none of it in use yet"
     advice = f"in evaluation: {applied.evaluating}" if applied.evaluating else ADVICE
     return MemoryLimitError(f"{applied.prefix}out of memory under --memory-limit {applied.text} per worker: "
                             f"allocating {what} {where} would pass it; {advice}")

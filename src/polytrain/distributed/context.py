@@ -12,6 +12,7 @@ from polytrain.distributed.hangs import is_timeout
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.supervisor import describe_exception
+from polytrain.devices.memory_limit import memory_error
 from polytrain.distributed.topology import Topology
 
 
@@ -79,7 +80,7 @@ def with_heartbeat(beat: Any, fn: Callable[..., Any], *args: Any) -> Any:
     except BaseException as exc:
         if is_timeout(exc) and hasattr(beat, "explain"):  # a collective gave up waiting: say who is behind
             beat.explain(f"a collective of this rank timed out ({describe_exception(exc)['message'][:200]})")
-        beat.failed(describe_exception(exc)["message"])
+        beat.failed(describe_exception(memory_error(exc))["message"])  # the peers log what the launcher reports
         raise
     beat.goodbye()
     return result

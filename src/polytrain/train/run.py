@@ -13,13 +13,15 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.registry import check_data
+from polytrain.data.registry import check_data_of
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
+from polytrain.models.lm import check_lm_model
 from polytrain.models.registry import check_model
+from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
@@ -70,13 +72,19 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:
         raise ConfigError(f"--lr-scaling {config.optim.lr_scaling} needs --base-batch-size "
                           "(the batch size --lr was tuned for)")
+    if config.data.pack and config.train.loss == "model":
+        raise ConfigError("--pack with --loss model: a model's own loss shifts the labels itself, across the packed "
+                          "documents' boundaries; use --loss task (the default) with --pack")
     if config.checkpoint.resume and not config.checkpoint.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
+    check_weights(config)  # --init-from, --model hf:DIR: there, readable
     if data is None:
-        _check_dataset_size(check_data(config.data.data, config.data.data_args), layout.slices,
-                            config.global_batch(layout.slices))
+        size, bundle = check_data_of(config)
+        _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))
+        if bundle is not None and bundle.task == "lm" and model is None:
+            check_lm_model(bundle, config)  # the vocabulary, the positions, --pack: before any worker starts
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return layout
 

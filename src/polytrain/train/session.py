@@ -28,7 +28,8 @@ from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
-from polytrain.models.deferred import build_deferred
+from polytrain.models.deferred import build_for_run
+from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.models.replay import build_parts
@@ -44,10 +45,10 @@ from polytrain.train.optim import build_optimizer
 from polytrain.train.unit_options import apply_unit_options, describe_unit_options
 from polytrain.train.reshard import DataPosition
 from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
-from polytrain.tasks import Task, check_takes_labels, get_task
+from polytrain.tasks import Task, check_takes_labels, get_task, packed_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
-RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
+RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "tokenizer", "pack", "optimizer")
 
 
 #: the opening line saying what is minimised, for each --loss
@@ -82,6 +83,8 @@ class Session:
     step_slices: Slice | Callable[[int], Slice]
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
+    #: where the model's starting weights come from, for the start-up line (``initialised from --seed 0``, ...)
+    weights: str = ""
 
     @property
     def log(self):
@@ -152,6 +155,7 @@ class Session:
         lines = [
             f"strategy {self.strategy.describe()}",
             f"data {self.data.describe()}",
+            f"model {cfg.model.model}: {params:,} parameters; {self.weights}" if self.weights else
             f"model {cfg.model.model}: {params:,} parameters",
             f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
@@ -190,15 +194,20 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
             return build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                                num_classes=data.num_outputs)
 
-        # on the meta device where the model can be materialised unit by unit: the strategy makes what it keeps
-        model = build_deferred(build, config.train.seed) or (  # replay: a pipeline makes only its stages
-            build_parts(build) if getattr(strategy, "builds_part", False) else None) or build()
+        # on the meta device where the model can be materialised unit by unit and its factory gives it no weights
+        # of its own: the strategy makes what it keeps (replay: a pipeline makes only its stages of any factory's)
+        model, weights = build_for_run(build, config.train.seed,
+                                       build_parts if getattr(strategy, "builds_part", False) else None,
+                                       source=weights_to_load(config))
+    else:
+        model, weights = given_model(model, weights_to_load(config))
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
-    task = get_task(data.task)
+    task = get_task(data.task) if data.document_end is None else packed_task(data.document_end, model,
+                                                                             config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
     model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
@@ -210,7 +219,8 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
     session = Session(config, topology, data, strategy, mine, plan, model, task, lr_schedule, total_steps,
-                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices)
+                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices,
+                      weights=weights)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
@@ -261,8 +271,8 @@ def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model:
 
 
 def _build_data(config: RunConfig) -> DataBundle:
-    from polytrain.data.registry import build_data
-    return build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+    from polytrain.data.registry import data_of
+    return data_of(config)
 
 
 def _resume(s: Session) -> None:
@@ -289,7 +299,8 @@ def _resume(s: Session) -> None:
         return
     saved = state["config"]
     current = s.config.flat()
-    clash = [k for k in RESUME_MUST_MATCH if saved.get(k) != current.get(k)]
+    defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
+    clash = [k for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != current.get(k)]
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
@@ -299,6 +310,7 @@ def _resume(s: Session) -> None:
     s.strategy.load_state_dict(state)
     s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
+    s.weights = f"weights from the checkpoint of step {s.start_step}"
     _continue_data(s, state)
     if len(state["rng"]) == trainers.world_size:
         restore_rng(state["rng"][trainers.rank])

@@ -7,8 +7,9 @@ their step under TensorBoard's names (``train/loss``, ``perf/examples_per_sec``,
 summary (its numbers as ``summary/KEY`` at the last step and, in MLflow, ``summary.json``), and the
 ``--save-model`` file as an artifact. Only the main trainer rank opens a run.
 
-* ``mlflow``: the URI after the colon, else ``MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db``
-  in the working directory); the experiment is ``--tracker-project`` (made if missing). The run ends FINISHED,
+* ``mlflow``: the URI after the colon (a plain directory ``DIR``: ``sqlite:///DIR/mlflow.db``, artifacts in
+  ``DIR/artifacts``), else ``MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db`` in the working
+  directory); the experiment is ``--tracker-project`` (made if missing). The run ends FINISHED,
   KILLED (a stop signal) or FAILED (an error).
 * ``wandb``: ``offline`` unless the mode after the colon or ``WANDB_MODE`` says otherwise (``online`` needs
   ``wandb login``); files under ``WANDB_DIR`` (default: the working directory's ``wandb/``); ``wandb sync DIR``
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from polytrain.options import option, register_section
 KINDS = ("mlflow", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 _MODULES = {"mlflow": "mlflow", "wandb": "wandb"}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # an MLflow URI (sqlite:, http:, file:, databricks...)
 
 
 def parse_tracker(spec: str) -> tuple[str, str | None]:
@@ -46,7 +49,33 @@ def parse_tracker(spec: str) -> tuple[str, str | None]:
     return kind, (arg if colon else None)
 
 
+def mlflow_store(arg: str | None) -> tuple[str | None, str | None]:
+    """``(tracking URI, artifact location)`` of ``--tracker mlflow[:ARG]``: a URI as given (None: MLflow's
+    own default); a plain directory path is a sqlite store ``DIR/mlflow.db`` with the artifacts in
+    ``DIR/artifacts`` (MLflow no longer writes its old file store)."""
+    if arg is None or _SCHEME.match(arg):
+        return arg, None
+    directory = Path(arg).expanduser().resolve()
+    return f"sqlite:///{directory / 'mlflow.db'}", (directory / "artifacts").as_uri()
+
+
+def _missing_directory(spec: str, arg: str | None) -> str | None:
+    """The line for ``mlflow:DIR`` (or ``mlflow:file:DIR``) whose directory does not exist; None otherwise."""
+    if arg is None or (_SCHEME.match(arg) and not arg.startswith("file:")):
+        return None
+    path = arg.removeprefix("file://").removeprefix("file:") if arg.startswith("file:") else arg
+    if Path(path).expanduser().is_dir():
+        return None
+    return (f"'{spec}': the directory {path} does not exist; create it (mkdir -p {path}) or give an MLflow URI "
+            "(sqlite:///runs.db, http://host:5000)")
+
+
 def _check_trackers(specs: list[str]) -> None:
+    for spec in specs:
+        kind, arg = parse_tracker(spec)
+        missing = _missing_directory(spec, arg) if kind == "mlflow" else None
+        if missing:
+            raise ValueError(missing)
     kinds = [parse_tracker(spec)[0] for spec in specs]
     twice = sorted({k for k in kinds if kinds.count(k) > 1})
     if twice:
@@ -60,8 +89,9 @@ def _check_trackers(specs: list[str]) -> None:
 @register_section("tracking", "experiment trackers (MLflow, Weights & Biases)", order=91)
 @dataclass
 class TrackingConfig:
-    tracker: list[str] = option([], "also log the run to an experiment tracker: mlflow[:URI] (default "
-                                    "$MLFLOW_TRACKING_URI or sqlite:///mlflow.db) or wandb[:MODE] (offline "
+    tracker: list[str] = option([], "also log the run to an experiment tracker: mlflow[:URI|DIR] (default "
+                                    "$MLFLOW_TRACKING_URI or sqlite:///mlflow.db; a directory: DIR/mlflow.db) or "
+                                    "wandb[:MODE] (offline "
                                     "unless MODE or $WANDB_MODE says online); repeatable",
                                 repeat=True, check=_check_trackers, metavar="NAME[:ARG]")
     tracker_project: str = option("polytrain", "the MLflow experiment / W&B project the run is logged to",
@@ -87,10 +117,12 @@ class MlflowTracker:
     def __init__(self, uri: str | None, project: str, run_name: str | None):
         from mlflow.tracking import MlflowClient
 
+        uri, artifacts = mlflow_store(uri)
         self.client = MlflowClient(tracking_uri=uri)  # None: $MLFLOW_TRACKING_URI or MLflow's default
         self.uri = self.client.tracking_uri
         found = self.client.get_experiment_by_name(project)
-        experiment = found.experiment_id if found is not None else self.client.create_experiment(project)
+        experiment = (found.experiment_id if found is not None
+                      else self.client.create_experiment(project, artifact_location=artifacts))
         self.run_id = self.client.create_run(experiment, run_name=run_name, tags={"polytrain": "train"}).info.run_id
         self.where = f"mlflow run {self.run_id} (experiment '{project}' at {self.uri})"
 

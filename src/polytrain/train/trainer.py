@@ -190,7 +190,8 @@ class Trainer:
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
         summary = self._summary(step, totals, train_loss, last_eval)
-        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step}
+        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
+                              **self.stopping.record()}
         return summary
 
     def _checkpoint_due(self, done: int) -> bool:
@@ -301,10 +302,18 @@ class Trainer:
             "strategy": self.config.train.strategy,
             "workers": self.topology.world_size,
             "global_batch": s.plan.global_batch,
+            **packed_efficiency(s.data),
             **strategy_numbers,
             **self.straggler.summary(self.topology),
             **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
         }
+
+
+def packed_efficiency(data: DataBundle) -> dict[str, float]:
+    """``packed_efficiency``: of the token positions the packed training sequences hold, the share that are
+    real target tokens (the rest padding, or a target after a document's end); {} for unpacked data."""
+    efficiency = getattr(data.train, "efficiency", None)
+    return {"packed_efficiency": round(efficiency(), 4)} if data.document_end is not None and efficiency else {}
 
 
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,

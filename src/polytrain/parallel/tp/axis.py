@@ -1,0 +1,60 @@
+"""The ``tp`` axis of ``pipeline`` and ``hybrid``: each stage's layers split over T tensor-parallel ranks.
+
+``--strategy hybrid --dp D --pp P --tp T`` lays out D x P x T processes on a ``dp x pp x tp`` mesh (tp
+innermost, so a stage's tp ranks are neighbours), in torchtitan's order of application: the model is cut
+into stages (pp), each stage's layers are split by the tensor-parallel plan (tp), and the stages' gradients
+are averaged over the replicas (dp). Rank ``t`` of one stage exchanges activations with rank ``t`` of the
+next (the ``pp`` group of fixed dp and tp); the activations between stages are whole on every tp rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.errors import ConfigError
+from polytrain.parallel.tp.plan import plan_for
+from polytrain.parallel.tp.strategy import check_tp, clip_grads, like, split_layers
+
+__all__ = ["axis_size", "check_axis", "clip_grads", "split_stages"]
+
+
+def axis_size(options: Any) -> int:
+    """``--tp`` as pipeline and hybrid read it (1: no tp axis)."""
+    return getattr(options, "tp", None) or 1
+
+
+def check_axis(layout: Any, config: Any, model: nn.Module | None) -> None:
+    """Before launch: the plan splits the model over ``--tp`` (one ConfigError line if not); what the tp axis
+    does not combine with."""
+    tp = layout.axis("tp")
+    if tp < 2:
+        return
+    if getattr(config.pipeline, "shard_dp", False):
+        raise ConfigError(f"--shard-dp with --tp {tp}: sharding the split layers over dp as well is not "
+                          "supported; drop --shard-dp (the replicas then average their gradients) or --tp")
+    check_tp(config, model, tp)
+
+
+def split_stages(strategy: Any) -> None:
+    """This rank's stages' layers split over the tp axis of ``strategy`` (a pipeline whose stages are made);
+    the split replaces their Parameter objects, so the optimizer is built again over the model's parameters,
+    in ``single``'s order, with the state it held (a resumed checkpoint's) cut into this rank's parts."""
+    from polytrain.parallel.pp import split as pipeline_split
+
+    if getattr(strategy, "is_traced", False):
+        raise ConfigError("--tp with a model the tracer cuts into stages is not supported; use --tp with a "
+                          "model whose forward is its units in order (transformer_lm), or drop --tp")
+    plan = plan_for(strategy.model, strategy.options.tp_plan)
+    parts = dict(pipeline_split.units(strategy.model))
+    names = [name for stage in strategy.mine for name in strategy.split.stage_units(stage)]
+    held = strategy.optimizer.state_dict()
+    split_layers([(name, parts[name]) for name in names], plan, strategy.topology.mesh["tp"])
+    strategy.owned = [p for s in strategy.mine for p in strategy.modules[s].parameters()]
+    strategy.optimizer = strategy._make_optimizer(strategy.model.parameters())
+    params = [p for group in strategy.optimizer.param_groups for p in group["params"]]
+    strategy.optimizer.load_state_dict({**held, "state": {
+        i: {key: like(value, params[int(i)]) if torch.is_tensor(value) and key != "step" else value
+            for key, value in per.items()} for i, per in held["state"].items()}})

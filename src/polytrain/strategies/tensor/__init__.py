@@ -1,3 +1,0 @@
-"""Tensor parallel: ``--strategy tp`` and the ``--tp`` axis of ``pipeline``/``hybrid``; plans in :mod:`.plan`."""
-
-from polytrain.strategies.tensor import strategy  # noqa: F401  (registers tp)

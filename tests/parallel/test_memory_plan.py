@@ -1,0 +1,174 @@
+"""Memory planned (polytrain/parallel/memory_plan.py): each rank's parameters, gradients, optimizer state and
+activations from a model built on the meta device, per strategy, as plain data; and against measured runs: the
+state bytes exactly, the activations within 5 %."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import polytrain
+from polytrain.config import make_config
+from polytrain.parallel.memory_plan import estimate_memory, probe_optimizer
+from polytrain.train.optim import OptimConfig, build_optimizer
+from polytrain.train.run import layout_of
+
+LM = dict(model="transformer_lm:layers=2,dim=64,heads=4", data="text:seq_len=32", optimizer="adam", batch_size=8)
+
+
+def _estimate(**settings):
+    config = make_config(**settings)
+    return estimate_memory(config, layout_of(config))
+
+
+def _param_bytes(**settings):
+    config = make_config(**settings)
+    model = polytrain.models.build_model(config.model.model, config.model.model_args, input_shape=(32,),
+                                         num_classes=256)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("settings, per_element, per_tensor", [
+    (dict(optimizer="sgd"), 4, 0),  # momentum 0.9: one buffer
+    (dict(optimizer="sgd", momentum=0.0), 0, 0),
+    (dict(optimizer="adam"), 8, 4),  # exp_avg, exp_avg_sq; a 4-byte step per tensor
+    (dict(optimizer="rmsprop", momentum=0.0), 4, 4),
+])
+def test_the_optimizers_state_comes_from_the_optimizer(settings, per_element, per_tensor):
+    cfg = OptimConfig(**settings)
+    state = probe_optimizer(lambda params: build_optimizer(params, cfg, 0.1))
+    assert (state.per_element, state.per_tensor) == (per_element, per_tensor)
+    assert state.bytes(10) == 10 * per_element + per_tensor
+
+
+def test_adagrad_holds_its_state_from_the_start():
+    state = probe_optimizer(lambda params: build_optimizer(params, OptimConfig(optimizer="adagrad"), 0.1))
+    assert (state.built_per_element, state.built_per_tensor) == (state.per_element, state.per_tensor) == (4, 4)
+
+
+def test_each_strategy_holds_what_its_code_keeps():
+    whole = _param_bytes(**LM)
+    sync = _estimate(strategy="sync", workers=2, **LM)
+    assert len(sync.ranks) == 2 and sync.ranks[0] == dataclasses.replace(sync.ranks[1], rank=0)
+    rank = sync.ranks[0]
+    assert rank.parameters == rank.gradients == whole  # transformer_lm has no buffers
+    assert rank.optimizer == 2 * whole + 4 * len(list(_model().parameters()))
+    assert sync.micro_batch == 4 and rank.activations > 0
+
+    fsdp = _estimate(strategy="fsdp", workers=4, **LM)
+    assert all(whole / 4 <= r.parameters < whole / 4 + 4096 for r in fsdp.ranks)  # dim-0 shards, padded
+    assert sum(r.optimizer for r in fsdp.ranks) == rank.optimizer + 3 * 4 * len(list(_model().parameters()))
+    assert fsdp.ranks[0].extra > 0 and "largest unit" in fsdp.ranks[0].extra_what
+
+    pipeline = _estimate(strategy="pipeline", stages=2, split_at="blocks.1", **LM)
+    assert sum(r.parameters for r in pipeline.ranks) == whole
+    assert pipeline.ranks[0].holds == "stage 0 (embed .. blocks.0)" and pipeline.micro_batch == 2
+    # 1f1b: stage 0 holds 2 micro-batches in flight, stage 1 one
+    assert pipeline.ranks[0].activations > pipeline.ranks[1].activations
+
+    diloco = _estimate(strategy="diloco", workers=2, **dict(LM, optimizer="sgd"))
+    assert diloco.ranks[0].optimizer == 3 * whole  # inner momentum, the anchor, the outer momentum
+
+    ps = _estimate(strategy="async", workers=2, servers=2, **LM)
+    servers = [r for r in ps.ranks if r.role == "server"]
+    assert [r.role for r in ps.ranks] == ["trainer", "trainer", "server", "server"]
+    assert sum(r.gradients for r in servers) == whole and servers[0].activations is None
+    assert ps.ranks[0].optimizer == 0 and ps.ranks[0].extra == whole  # never stepped; pull buffers
+
+    for estimate in (sync, fsdp, pipeline, diloco, ps):
+        as_json = json.loads(json.dumps(estimate.as_dict()))
+        assert [r["total"] for r in as_json["ranks"]] == [r.total for r in estimate.ranks]
+        assert len(estimate.describe().splitlines()) >= len(estimate.ranks) + 2
+
+
+def _model():
+    return polytrain.models.build_model(LM["model"], {}, input_shape=(32,), num_classes=256)
+
+
+def test_precision_and_activation_checkpointing_change_the_estimate():
+    plain = _estimate(strategy="single", **LM).ranks[0]
+    true_bf16 = _estimate(strategy="single", precision="bf16-true", **LM).ranks[0]
+    assert true_bf16.parameters * 2 == plain.parameters and true_bf16.activations < plain.activations
+    mixed = _estimate(strategy="single", precision="bf16-mixed", **LM).ranks[0]
+    assert mixed.state == plain.state and mixed.activations < plain.activations
+    checkpointed = _estimate(strategy="single", activation_checkpointing="full", **LM)
+    assert checkpointed.ranks[0].activations < plain.activations / 5
+    assert any("--activation-checkpointing" in note for note in checkpointed.notes)
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("sync", dict(workers=2)),
+    ("pipeline", dict(stages=2, split_at="blocks.1")),
+    ("hybrid", dict(workers=4, dp=2, pp=2, microbatches=2, split_at="blocks.1", shard_dp=True)),
+], ids=["sync", "pipeline", "hybrid-shard-dp"])
+def test_the_plan_equals_what_a_run_measures(strategy, extra):
+    settings = dict(strategy=strategy, **extra, **LM)
+    planned = _estimate(**settings)
+    summary = polytrain.fit(**settings, steps=4, progress="off", eval_every=0)
+    measured = summary["rank_memory_bytes"]
+    assert len(measured) == len(planned.ranks) == extra.get("workers", 2)
+    for plan, run in zip(planned.ranks, measured):
+        assert (plan.parameters, plan.gradients, plan.optimizer) == \
+            (run["parameters"], run["gradients"], run["optimizer"])
+        assert 1.0 <= run["activations"] / plan.activations <= 1.05, (run["activations"], plan.activations)
+
+
+def needs_real_values(input_shape, num_classes):
+    """A factory that reads a value while it builds: it cannot build on the meta device."""
+    weight = torch.randn(3)
+    if float(weight.sum()) > 1e9:
+        raise AssertionError("unreachable")
+    return nn.Linear(input_shape[0], num_classes)
+
+
+class _ReadsItsInput(nn.Module):
+    def __init__(self, width, classes):
+        super().__init__()
+        self.layer = nn.Linear(width, classes)
+
+    def forward(self, x):
+        if x.abs().max().item() > 1e9:  # data-dependent: a forward without values cannot take it
+            raise AssertionError("unreachable")
+        return self.layer(x)
+
+
+def reads_its_input(input_shape, num_classes):
+    return _ReadsItsInput(input_shape[0], num_classes)
+
+
+def test_what_cannot_be_built_or_run_without_values_is_said_and_the_rest_estimated():
+    skipped = _estimate(strategy="single", model="tests.parallel.test_memory_plan:needs_real_values",
+                        data="synthetic:shape=8,size=64")
+    assert skipped.skipped.startswith("--model tests.parallel.test_memory_plan:needs_real_values cannot be "
+                                      "built on the meta device")
+    assert skipped.describe().startswith("memory estimate: skipped: --model ")
+    no_forward = _estimate(strategy="single", model="tests.parallel.test_memory_plan:reads_its_input",
+                           data="synthetic:shape=8,size=64")
+    (rank,) = no_forward.ranks
+    assert rank.activations is None and rank.parameters == (8 * 10 + 10) * 4
+    assert any(note.startswith("activations not estimated: a forward on cpu fake tensors failed") for note in
+               no_forward.notes)
+    refused = _estimate(strategy="pipeline", stages=4, model="digits_cnn", data="digits")  # train refuses it too
+    assert refused.skipped.endswith("use fewer stages or a deeper model") and not refused.ranks
+
+
+def test_polytrain_plan_prints_the_estimate_and_puts_it_in_its_json(cli_env):
+    args = [sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--split-at", "blocks.1",
+            "--model", LM["model"], "--data", LM["data"], "--optimizer", "adam", "--batch-size", "8",
+            "--memory-limit", "1MiB"]
+    text = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    table = text.stdout.split("memory estimate per rank (")[1].splitlines()
+    assert table[1].split() == ["rank", "holds", "parameters", "gradients", "optimizer", "activations", "other",
+                                "data", "total"]
+    assert table[2].startswith("  0     stage 0 (embed .. blocks.0)")
+    assert "--memory-limit 1.0 MiB per worker: rank(s) 0, 1 estimated over it" in text.stdout
+    plan = json.loads(subprocess.run(args + ["--json"], env=cli_env, capture_output=True, text=True,
+                                     timeout=120).stdout)
+    assert plan["layout"]["processes"] == 2 and plan["memory"]["limit"] == 2**20
+    assert [r["holds"] for r in plan["memory"]["ranks"]] == ["stage 0 (embed .. blocks.0)",
+                                                             "stage 1 (blocks.1 .. head)"]
