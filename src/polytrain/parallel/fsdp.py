@@ -181,9 +181,9 @@ class FullyShardedDataParallel(Strategy):
             live.update({key: value for key, value in given.items() if key != "params"})  # (tuples stay tuples)
 
     def _names(self) -> list[str]:
-        """The parameters' names in the order ``single``'s optimizer numbers them."""
+        """The parameters' names in the order ``single``'s optimizer numbers them (those that train)."""
         assert self.model is not None
-        return [name for name, _ in self.model.named_parameters()]
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
 
 def shard_group(modules: list[nn.Module], mesh: Any, **options: Any) -> None:

@@ -36,6 +36,7 @@ from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.errors import DivergedError, RunStopped
+from polytrain.models.lora import export as lora_export, lora_of
 from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
@@ -280,6 +281,13 @@ class Trainer:
             return
         self._check_finite()
         state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
+        adapters = lora_of(self.strategy.module)
+        if adapters is not None:  # --lora: the adapters in PEFT's format (--merge-lora: and the merged model)
+            if self.topology.is_main:
+                lora_export(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), adapters, path,
+                            self.config.lora.merge_lora)
+                self.session.log.info(f"LoRA adapters saved to {path} (PEFT's format)")
+            return
         if self.topology.is_main:
             # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
             atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)

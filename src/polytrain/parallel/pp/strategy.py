@@ -305,12 +305,18 @@ class Pipeline(TracedRun, Strategy):
             try:
                 chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
                 return chosen if self.split is None else self.split
-            except ConfigError:
+            except ConfigError as exc:
                 if traced_error is not None:
                     raise traced_error from None
-                if chain_kind(self.model) or self._maker is not None:
-                    raise
-        return self._choose_traced(sample, labels)
+                if (chain_kind(self.model) or self._maker is not None) and self.split is not None:
+                    raise  # (cut by --split-at before the first step: a chain it must be)
+                traced_error = exc if chain_kind(self.model) or self._maker is not None else None
+        try:  # not a chain of units (nanoGPT's forward adds position embeddings): the tracer cuts it
+            return self._choose_traced(sample, labels)
+        except ConfigError:
+            if traced_error is not None:  # built as a chain of units (init_unit): its own reason first
+                raise traced_error from None
+            raise
 
     def _release_others(self) -> None:
         """Keep only this rank's stages resident: the other units' tensors are emptied in place (their

@@ -106,18 +106,22 @@ class TracedRun:
         self._pipe = self._trace(chosen, sample, labels)
         return chosen
 
+    def _on_meta(self) -> bool:
+        """Whether the model waits on the meta device to be made part by part (a factory's, or by units)."""
+        return self._replay is not None or getattr(self, "_maker", None) is not None
+
     def _trace_sample(self, sample: torch.Tensor, labels: torch.Tensor | None) -> tuple[Any, Any]:
         """The micro-batch the tracer runs: on the meta device for a model there (nothing made yet)."""
-        if self._replay is None:
+        if not self._on_meta():
             return sample, labels
         return sample.to("meta"), (labels.to("meta") if labels is not None else None)
 
     def _trace(self, chosen: traced.TracedSplit, sample: torch.Tensor, labels: torch.Tensor | None) -> Any:
         # a model on the meta device is traced as a copy (nothing to copy but shapes): the tracer leaves weak
         # references on what it traces, and the model's own Parameter objects take their contents later
-        model = copy.deepcopy(self.model) if self._replay is not None else self.model
+        model = copy.deepcopy(self.model) if self._on_meta() else self.model
         pipe = traced.trace(model, sample, self._trace_kwargs(labels), chosen, self.recipe.loss, self._spec())
-        if self._replay is not None:
+        if self._on_meta():
             traced.retarget(pipe, self.topology.device)
         return pipe
 
@@ -141,8 +145,12 @@ class TracedRun:
                 traced.adopt(module, self.model)
                 self.modules[stage] = module
         self._owned_set = set().union(*(names[s] for s in self.mine))
-        if self._replay is not None:  # this rank's stages made now, with single's values; nothing else
-            self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
+        if self._on_meta():  # this rank's stages made now, with single's values; nothing else
+            if self._replay is not None:
+                self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
+            else:  # made by units (init_unit): the units holding a tensor of this rank's stages
+                self._maker.make({name for name, _ in units(self.model)
+                                  if any(key.startswith(name + ".") for key in self._owned_set)})
             for stage in self.mine:  # the buffers made are new objects (a Parameter keeps its object)
                 traced.adopt(self.modules[stage], self.model)
         keep = {id(t) for s in self.mine for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]}
