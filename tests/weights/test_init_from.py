@@ -16,7 +16,7 @@ from polytrain.errors import ConfigError
 from polytrain.models.deferred import weights_of
 from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
-from polytrain.weights.sources import open_weights
+from polytrain.weights.opening import open_weights
 from tests.helpers.spawn import spawn
 
 transformers = pytest.importorskip("transformers")

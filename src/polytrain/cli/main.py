@@ -18,7 +18,7 @@ from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
 from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
-from polytrain.cli.entry import starting_done
+from polytrain.cli.starting import starting_done
 from polytrain.distributed.processes import stop_helper_processes
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped

@@ -53,6 +53,8 @@ class DataBundle:
 
     def describe(self) -> str:
         test = len(self.test) if self.test is not None else 0
+        if self.task == "lm" and not hasattr(self.train, "__len__"):  # a stream
+            return (f"{self.name}: {self.train.describe()}, vocabulary {self.vocab_size}; {test} test sequences")
         if self.task == "lm":
             packed = getattr(self.train, "efficiency", None) if self.document_end is not None else None
             return (f"{self.name}: {len(self.train)} train / {test} test sequences of up to {self.seq_len} tokens, "

@@ -90,11 +90,12 @@ def load_saved(path: str, split: str | None, what: str) -> Any:
 
 
 def resolve_inputs(inputs: list[str], what: str) -> list[Path]:
-    """The input paths, each existing; one DataError line for one that does not."""
+    """The input paths, each existing, a pattern (``shards/*.jsonl``) standing for its matches in sorted order;
+    one DataError line for one that does not exist or matches nothing."""
     if not inputs:
         raise DataError(f"{what}: no input; give a JSON Lines, Parquet or text file, or a saved dataset's directory")
     paths = []
-    for item in inputs:
+    for item in _expand(inputs, what):
         path = Path(item).expanduser()
         if not path.exists():
             raise DataError(f"{what}: no file or directory {path}")
@@ -104,9 +105,29 @@ def resolve_inputs(inputs: list[str], what: str) -> list[Path]:
     return paths
 
 
-def chunks(inputs: list[str], field: str, split: str | None, what: str) -> list[Chunk]:
+def _expand(inputs: list[str], what: str) -> list[str]:
+    import glob
+
+    out: list[str] = []
+    for item in inputs:
+        pattern = str(Path(item).expanduser())
+        if glob.has_magic(pattern):
+            found = sorted(glob.glob(pattern))
+            if not found:
+                raise DataError(f"{what}: no file matches {item}")
+            out += found
+        else:
+            out.append(item)
+    return out
+
+
+def chunks(inputs: list[str], field: str, split: str | None, what: str, *, chunk_bytes: int | None = None,
+           chunk_rows: int | None = None, groups: int | None = None) -> list[Chunk]:
     """Every input's chunks, in order; the field is checked where that costs no full read (a Parquet
-    schema, a saved dataset's columns, each JSON Lines file's first line)."""
+    schema, a saved dataset's columns, each JSON Lines file's first line). ``chunk_bytes`` (JSON Lines),
+    ``chunk_rows`` (saved datasets) and ``groups`` (Parquet row groups) size them (default: the module's)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    chunk_rows = chunk_rows or CHUNK_ROWS
     out: list[Chunk] = []
     for path in resolve_inputs(inputs, what):
         kind = kind_of(path)
@@ -116,8 +137,8 @@ def chunks(inputs: list[str], field: str, split: str | None, what: str) -> list[
         elif kind == "jsonl":
             size = path.stat().st_size
             _check_first_line(path, field, what)
-            out += [Chunk(str(path), kind, a, min(a + CHUNK_BYTES, size), min(CHUNK_BYTES, size - a))
-                    for a in range(0, size, CHUNK_BYTES)]
+            out += [Chunk(str(path), kind, a, min(a + chunk_bytes, size), min(chunk_bytes, size - a))
+                    for a in range(0, size, chunk_bytes)]
         elif kind == "parquet":
             pq = _pyarrow_parquet(what)
             try:
@@ -128,19 +149,19 @@ def chunks(inputs: list[str], field: str, split: str | None, what: str) -> list[
             if field not in names:
                 raise DataError(f"{what}: {path} has no column '{field}' (its columns: {', '.join(names)}); name "
                                 "the text's column with field=NAME")
-            groups = meta.num_row_groups
-            per = max(1, groups // 64 or 1)
-            out += [Chunk(str(path), kind, g, min(g + per, groups),
-                          sum(meta.row_group(i).total_byte_size for i in range(g, min(g + per, groups))))
-                    for g in range(0, groups, per)]
+            count = meta.num_row_groups
+            per = groups or max(1, count // 64)
+            out += [Chunk(str(path), kind, g, min(g + per, count),
+                          sum(meta.row_group(i).total_byte_size for i in range(g, min(g + per, count))))
+                    for g in range(0, count, per)]
         else:
             data = load_saved(str(path), split, what)
             if field not in data.column_names:
                 raise DataError(f"{what}: {path} has no column '{field}' (its columns: "
                                 f"{', '.join(data.column_names)}); name the text's column with field=NAME")
             rows, size = len(data), max(1, data.data.nbytes)
-            out += [Chunk(str(path), kind, a, min(a + CHUNK_ROWS, rows), size * min(CHUNK_ROWS, rows - a) // max(rows, 1))
-                    for a in range(0, rows, CHUNK_ROWS)]
+            out += [Chunk(str(path), kind, a, min(a + chunk_rows, rows), size * min(chunk_rows, rows - a) // max(rows, 1))
+                    for a in range(0, rows, chunk_rows)]
     return out
 
 
@@ -230,7 +251,7 @@ def signature(inputs: list[str]) -> list[list[Any]]:
     """What a cache of these inputs is keyed by: each input's resolved path, size and modification time (a
     directory's: its files')."""
     out: list[list[Any]] = []
-    for item in inputs:
+    for item in _expand(inputs, "cache"):
         path = Path(item).expanduser().resolve()
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:

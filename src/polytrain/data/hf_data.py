@@ -54,7 +54,7 @@ def cache_file(path: str, tokenizer: str, field: str, split: str | None, cache: 
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
     source = Path(path).expanduser().resolve()
     where = Path(cache).expanduser() if cache else source.parent / CACHE
-    return where / f"{source.name}-{digest}.bin"
+    return where / f"{source.name.replace('*', '_')}-{digest}.bin"
 
 
 @contextlib.contextmanager
@@ -105,14 +105,45 @@ def _load(path: str | None, field: str, split: str | None, seq_len: int, test_fr
 
 def check_hf(path: str | None = None, field: str = "text", split: str | None = None, seq_len: int = 128,
              test_fraction: float = TEST_FRACTION, test_file: str | None = None, cache: str | None = None,
-             tokenizer: str | None = None, pack: bool = False) -> int:
-    """Tokenize (once, into the cache) and validate; the number of training sequences."""
-    return len(_load(path, field, split, seq_len, test_fraction, test_file, cache, tokenizer, pack, 0)[0])
+             stream: bool = False, lanes: int | None = None, tokenizer: str | None = None, pack: bool = False
+             ) -> int | None:
+    """Tokenize (once, into the cache) and validate; the number of training sequences (None: a stream)."""
+    made = hf(path, field, split, seq_len, test_fraction, test_file, cache, stream, lanes, tokenizer, pack)
+    return None if stream else len(made.train)
 
 
 def hf(path: str | None = None, field: str = "text", split: str | None = None, seq_len: int = 128,
        test_fraction: float = TEST_FRACTION, test_file: str | None = None, cache: str | None = None,
-       tokenizer: str | None = None, pack: bool = False, run_seed: int = 0) -> DataBundle:
-    """The documents of ``path`` as language-model sequences (see the module)."""
-    loaded = _load(path, field, split, seq_len, test_fraction, test_file, cache, tokenizer, pack, run_seed)
-    return bundle(f"hf:{path}", *loaded, seq_len, pack)
+       stream: bool = False, lanes: int | None = None, tokenizer: str | None = None, pack: bool = False,
+       run_seed: int = 0) -> DataBundle:
+    """The documents of ``path`` as language-model sequences (see the module); ``stream=true``: read and
+    tokenized as training goes (:mod:`polytrain.data.stream`)."""
+    if not stream:
+        loaded = _load(path, field, split, seq_len, test_fraction, test_file, cache, tokenizer, pack, run_seed)
+        return bundle(f"hf:{path}", *loaded, seq_len, pack)
+    return _stream(_check(path, tokenizer), field, split, seq_len, test_file, cache, lanes, tokenizer, pack,
+                   run_seed)
+
+
+def _stream(path: str, field: str, split: str | None, seq_len: int, test_file: str | None, cache: str | None,
+            lanes: int | None, tokenizer: str | None, pack: bool, seed: int) -> DataBundle:
+    from polytrain.data.stream import TokenStream
+
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise DataError(f"hf:{path}: seq_len must be an integer >= 1, got {seq_len!r}")
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+        raise DataError(f"hf:{path}: lanes must be an integer >= 1, got {lanes!r}")
+    assert tokenizer is not None
+    encoder = cached_tokenizer(tokenizer)
+    assert encoder is not None
+    train = TokenStream([path], field, split, tokenizer, seq_len, pack, seed, lanes, name=f"hf:{path}")
+    train.eos  # (a tokenizer without an end-of-document token is refused here, before anything starts)
+    documents.resolve_inputs(train.inputs, train.name)  # (the files themselves: when the lanes are known)
+    test = None
+    if test_file:
+        made = tokenized(test_file, tokenizer, field, split, cache)
+        test = load(str(made), None, seq_len, None, "sequential", TEST_FRACTION, str(made), None, tokenizer, pack,
+                    seed, what=f"hf:{test_file}")[1]
+    return DataBundle(name=f"hf:{path}", train=train, test=test, input_shape=(seq_len,),
+                      num_classes=encoder.vocab_size, task="lm", default_model="transformer_lm",
+                      vocab_size=encoder.vocab_size, seq_len=seq_len, document_end=train.eos if pack else None)

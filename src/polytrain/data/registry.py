@@ -159,7 +159,7 @@ def check_data_of(config: Any) -> tuple[int | None, DataBundle | None]:
     entry, _ = _resolve(data.data, data.data_args)
     if entry.mapped:
         bundle = data_of(config)
-        return len(bundle.train), bundle
+        return (len(bundle.train) if hasattr(bundle.train, "__len__") else None), bundle
     return check_data(data.data, data.data_args, tokenizer=data.tokenizer, pack=data.pack), None
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.registry import check_data_of
+from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
@@ -87,6 +88,8 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
         _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))
         if bundle is not None and bundle.task == "lm" and model is None:
             check_lm_model(bundle, config)  # the vocabulary, the positions, --pack: before any worker starts
+        if bundle is not None and isinstance(bundle.train, TokenStream) and not config.checkpoint.resume:
+            StreamPlan.make(bundle.train, config.global_batch(layout.slices), layout.slices)  # lanes, batch, chunks
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return layout
 

@@ -31,6 +31,7 @@ import polytrain.components  # noqa: F401  (a worker unpickles the config of eve
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import SlicedBatches, eval_batches
+from polytrain.data.stream import StreamBatches, StreamPlan
 from polytrain.devices import memory_limit
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
@@ -95,6 +96,8 @@ class Trainer:
             return summary
         finally:
             run_log.close()
+            if self.session.stream is not None:  # its reading thread
+                self.session.stream.close()
 
     def _run_source(self) -> RunSource:
         s = self.session
@@ -108,8 +111,12 @@ class Trainer:
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
         s, cfg, strategy = self.session, self.config, self.strategy
-        batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
-                                     cfg.data.data_workers))
+        if isinstance(s.plan, StreamPlan):  # read ahead by a thread; the session asks it where the lanes are
+            s.stream = batches = StreamBatches(s.plan, s.slice.index, s.slice.count, strategy.topology.device,
+                                               s.start_step, self.topology)
+        else:
+            batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
+                                         cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
         ids = self.ids = example_ids(s, self.topology)  # (self.ids: --on-failure continue writes what it noted)
         self.guard = DivergenceGuard(self.topology.device)

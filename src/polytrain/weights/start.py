@@ -10,7 +10,8 @@ from torch import nn
 from polytrain.models.probe import build_on_meta
 from polytrain.weights.fill import check_fits, fill
 from polytrain.weights.hf import has_weights, hf_directory, hf_factory, is_hf_spec
-from polytrain.weights.sources import Source, open_weights
+from polytrain.weights.opening import open_weights
+from polytrain.weights.sources import Source
 
 
 def weights_path(config: Any) -> tuple[str, str] | None:
