@@ -137,7 +137,7 @@ class TensorPlan:
                 continue
             if not isinstance(module, nn.Linear):
                 raise ConfigError(f"{self.source}: {name} is a {type(module).__name__}; tensor parallel splits "
-                                  "nn.Linear layers (and an nn.Embedding rowwise, by its rows) only; drop it "
+                                  "nn.Linear layers only (and an nn.Embedding rowwise, by its rows); drop it "
                                   "from the plan")
             width = module.out_features // rule.parts if rule.style == "colwise" else module.in_features
             what = "output features" + (f" per part ({rule.parts} parts)" if rule.parts > 1 else "") \
@@ -222,8 +222,8 @@ def plan_for(model: nn.Module, spec: str, model_name: str = "the model") -> Tens
     hf = hf_plan(model)
     if hf is not None:
         return hf
-    own = getattr(model, "tp_plan", None) or getattr(type(model), "tp_plan", None)
-    if not own:
+    own = getattr(model, "tp_plan", None)
+    if not own or not isinstance(own, Mapping):  # (transformers' models have a tp_plan of their own: read above)
         raise ConfigError(f"--tp: --model {model_name} has no tensor-parallel plan; give one with --tp-plan "
                           "FILE.toml (module name = \"colwise\" or \"rowwise\"; see docs/tensor-parallel.md)")
     return TensorPlan.from_mapping(own, f"{type(model).__name__}.tp_plan")
@@ -236,17 +236,23 @@ _HF_STYLES = {"colwise": {"style": "colwise"}, "rowwise": {"style": "rowwise"},
 
 
 def hf_plan(model: nn.Module) -> TensorPlan | None:
-    """A Hugging Face model's own tensor-parallel plan (transformers ships one in its config:
-    ``base_model_tp_plan``, names below the base model, and the model class's ``_tp_plan`` for its output
-    layer), as a polytrain plan; None for a model that is not a transformers model. A model whose plan is
-    empty has none (``plan_for`` then says to give one); a style polytrain does not carry out is one line."""
+    """A Hugging Face model's own tensor-parallel plan (transformers ships one: the model's ``_tp_plan``, which
+    transformers resolves over its submodules, the embedding's included; where that is absent, the config's
+    ``base_model_tp_plan``, names below the base model, and the class's ``_tp_plan`` for its output layer), as a
+    polytrain plan; None for a model that is not a transformers model. A model whose plan is empty has none
+    (``plan_for`` then says to give one); a style polytrain does not carry out is one line."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "base_model_tp_plan"):
         return None
-    prefix = getattr(model, "base_model_prefix", "")
-    whole = {**{(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
-                for k, v in (config.base_model_tp_plan or {}).items()},
-             **(getattr(type(model), "_tp_plan", None) or {})}
+    resolved = getattr(model, "_tp_plan", None)
+    if isinstance(resolved, Mapping):
+        whole = dict(resolved)
+    else:
+        prefix = getattr(model, "base_model_prefix", "")
+        own = vars(type(model)).get("_tp_plan")
+        whole = {**{(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
+                    for k, v in (config.base_model_tp_plan or {}).items()},
+                 **(own if isinstance(own, Mapping) else {})}
     if not whole:
         return None
     unknown = sorted({v for v in whole.values() if v not in _HF_STYLES})
