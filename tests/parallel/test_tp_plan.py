@@ -129,6 +129,12 @@ def test_a_transformers_model_brings_its_own_plan_and_gpt2s_layers_are_refused_i
         TensorPlan.from_mapping({"transformer.h.*.mlp.c_fc": "colwise"}, "plan").check(gpt2, 2)
     vocab = {"transformer.wte": "rowwise", "lm_head": {"style": "colwise", "gather": True}}
     TensorPlan.from_mapping(vocab, "plan").check(gpt2, 2)  # both by rows: the tied tensor stays one
+    with pytest.raises(ConfigError, match=r"^--tp 3 does not divide the 256 rows \(vocabulary\) of transformer.wte"):
+        TensorPlan.from_mapping(vocab, "plan").check(gpt2, 3)
+    llama._tp_plan = {**llama._tp_plan, "model.norm": "sequence_parallel"}
+    with pytest.raises(ConfigError, match="^LlamaForCausalLM's transformers tp plan .config.base_model_tp_plan.: its "
+                                          "styles sequence_parallel are not ones polytrain splits by"):
+        plan_for(llama, "auto")
     with pytest.raises(ConfigError, match="transformer.wte.weight and lm_head.weight are one tensor .tied weights., "
                                           "which the plan splits differently"):
         TensorPlan.from_mapping({"lm_head": {"style": "colwise", "gather": True}}, "plan").check(gpt2, 2)

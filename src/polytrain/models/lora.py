@@ -41,7 +41,7 @@ def _check_spec(text: str | None) -> None:
         try:
             parse_lora(text)
         except ConfigError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(str(exc).removeprefix("--lora: ")) from None  # (the option's check names --lora)
 
 
 @register_section("lora", "LoRA adapters (PEFT)", order=26)
@@ -70,17 +70,17 @@ def parse_lora(text: str) -> LoraSpec:
     for part in (p.strip() for p in text.split(",")):
         key, sep, value = part.partition("=")
         if not sep or key not in ("r", "alpha", "targets", "dropout") or not value or key in values:
-            raise ConfigError(f"--lora {text}: '{part}' is not a setting of it; {form}")
+            raise ConfigError(f"--lora: {text}: '{part}' is not a setting of it; {form}")
         values[key] = value
     if "r" not in values:
-        raise ConfigError(f"--lora {text}: the rank r is missing; {form}")
+        raise ConfigError(f"--lora: {text}: the rank r is missing; {form}")
     try:
         r, alpha = int(values["r"]), float(values.get("alpha", 2 * int(values["r"])))
         dropout = float(values.get("dropout", 0.0))
     except ValueError:
-        raise ConfigError(f"--lora {text}: r must be a whole number, alpha and dropout numbers; {form}") from None
+        raise ConfigError(f"--lora: {text}: r must be a whole number, alpha and dropout numbers; {form}") from None
     if r < 1 or alpha <= 0 or not 0 <= dropout < 1:
-        raise ConfigError(f"--lora {text}: r must be >= 1, alpha > 0 and dropout in [0, 1)")
+        raise ConfigError(f"--lora: {text}: r must be >= 1, alpha > 0 and dropout in [0, 1)")
     targets = tuple(t for t in values["targets"].split("|") if t) if "targets" in values else None
     return LoraSpec(r, alpha, targets, dropout)
 
