@@ -11,9 +11,11 @@ sees a whole tensor.
 
 Equal to ``single`` on the whole batch: the slices' losses are weighed as ``sync``'s, the reduce-scatter
 averages; ``--accumulate K`` defers the reduce-scatter to the last micro-batch; ``--clip-grad-norm`` clips
-the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints and
-``--save-model`` hold the whole model and optimizer state as ``single`` saves them, so a run resumes into any
-strategy and any world size (the gather happens on the workers, one tensor at a time, into rank 0's memory).
+the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints are written in
+parts, each rank its rows (``sharded_state``), and read back by rows (``held_state``): a run resumes into any
+strategy and any world size, and a resumed fsdp rank reads only the rows it holds. ``--save-model DIR`` is
+written one tensor at a time (:mod:`polytrain.weights.save`); ``state_dict`` (``--save-model FILE.pt``) gathers
+the whole model into rank 0's memory, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
 from polytrain.models.parts import retie, unit_groups, units
+from polytrain.train.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -74,6 +77,7 @@ class FullyShardedDataParallel(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         if not self.topology.distributed:
+            self.held_state = HeldState(self)
             return materialize_all(model).to(self.topology.device)
         mesh, device = self.topology.mesh["dp"], self.topology.device
         reshard = bool(self.options.reshard_after_forward)
@@ -96,6 +100,7 @@ class FullyShardedDataParallel(Strategy):
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         self.sharded_state = _Shards(self)  # checkpoints in parts: each rank writes its shards
+        self.held_state = HeldState(self)  # ... and reads only its rows of any checkpoint
         return model
 
     def _policy(self, root: bool = False) -> dict[str, Any]:

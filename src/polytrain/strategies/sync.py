@@ -38,6 +38,7 @@ from polytrain.phases import interval, phase
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
+from polytrain.train.held import HeldState
 from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -76,6 +77,7 @@ class SyncDataParallel(Strategy):
 
     def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
+        self.held_state = HeldState(self)  # identical replicas: a resume reads the checkpoint into each
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None

@@ -17,6 +17,7 @@ from polytrain.data.registry import check_data_of
 from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
+from polytrain.weights.export import check_save_model
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
@@ -83,6 +84,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
     check_weights(config)  # --init-from, --model hf:DIR: there, readable
+    check_save_model(config.train.save_model, config.train.save_shard_size)  # --save-model DIR, its shard size
     if data is None:
         size, bundle = check_data_of(config)
         _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))

@@ -30,6 +30,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.deferred import build_for_run
+from polytrain.weights.export import hf_config_text
 from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
@@ -154,6 +155,7 @@ class Session:
             "world_size": trainers.world_size,
             "strategy": self.config.train.strategy,
             "config": self.config_flat,
+            **({"hf_config": hf} if (hf := hf_config_text(self.strategy.module)) else {}),  # (export's config.json)
         }
 
     def describe(self) -> str:

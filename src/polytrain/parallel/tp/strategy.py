@@ -35,6 +35,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
 from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
+from polytrain.train.held import HeldState
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.parallel.tp.config import TensorParallelConfig
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
@@ -50,6 +51,7 @@ class TensorParallel(Strategy):
         if not topology.distributed:
             raise ConfigError("--strategy tp splits layers over --tp processes; it cannot run in one process")
         super().__init__(topology, options, layout)
+        self.held_state = HeldState(self)  # a resume reads each rank's block of the split layers
         self.plan: TensorPlan | None = None
         self._max_norm: float | None = None
 
