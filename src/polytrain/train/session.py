@@ -42,6 +42,7 @@ from polytrain.strategies import Strategy, get_strategy
 from polytrain.strategies.base import check_batch, data_slice
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
+from polytrain.train.background import CheckpointWrites, copy_state
 from polytrain.train.integrity import signature
 from polytrain.train import reshard
 from polytrain.train.on_failure import continuing
@@ -108,22 +109,37 @@ class Session:
     def config_toml(self) -> str:
         return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
 
-    def save_checkpoint(self, step: int) -> Path | None:
-        """Write step ``step``'s checkpoint; its path on the trainers' rank 0 (None: not written, warned; or
-        another rank). Collective over the trainer ranks. A strategy that holds shards (``sharded_state``)
-        has each rank write its own part, gathering nothing; any other gathers the whole state to rank 0."""
-        assert self.checkpointer is not None
+    def save_checkpoint(self, step: int, writes: CheckpointWrites, background: bool = False,
+                        checkpointer: Checkpointer | None = None) -> None:
+        """Start writing step ``step``'s checkpoint with ``checkpointer`` (default: the run's; a snapshot's:
+        train/snapshot.py) through ``writes`` (in its thread when ``background`` and ``writes.background``: from
+        a copy of the state in host memory); ``writes.settle`` waits for it and
+        returns its path on the trainers' rank 0. Collective over the trainer ranks. A strategy that holds
+        shards (``sharded_state``) has each rank write its own part, gathering nothing; any other gathers the
+        whole state to rank 0."""
+        checkpointer = checkpointer or self.checkpointer
+        assert checkpointer is not None
+        copied = background and writes.background
         shards = self.strategy.sharded_state
         if shards is None:
             state = self.state_dict(step)
-            return self.checkpointer.save(state, step) if state is not None else None
+            if state is None:  # (not the trainers' rank 0: nothing to write)
+                writes.start(lambda: None, background=False)
+                return
+            state = copy_state(state) if copied else state
+            writes.start(lambda: checkpointer.save(state, step), background=background)
+            return
         part = to_float32(shards.part())  # bf16-true's bfloat16 widened (exact): every checkpoint is float32
+        part = copy_state(part) if copied else part
         meta = self._run_state(step)
         if meta is not None:
             skeleton = shards.skeleton()
             meta["sharded"] = {"parts": self.strategy.trainers.world_size, "param_groups": skeleton["param_groups"],
                                "model": file_signature(skeleton["model"], self.strategy.amp.precision)}
-        return self.checkpointer.save_parts(meta, part, step, self.strategy.trainers)
+        group = self.strategy.trainers
+        writes.start(lambda: checkpointer.write_part(part, step, group),
+                     commit=lambda written: checkpointer.commit_parts(meta, written, step, group),
+                     background=background)
 
     def state_dict(self, step: int) -> dict[str, Any] | None:
         """Checkpoint contents, on the trainers' rank 0 (None elsewhere). Collective over the trainer ranks:
