@@ -34,6 +34,7 @@ from polytrain.weights.export import hf_config_text
 from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
+from polytrain.models.lora import apply_lora, describe as describe_lora
 from polytrain.models.replay import build_parts
 from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
@@ -190,6 +191,7 @@ class Session:
             f"batch {batch}; {epoch}; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
             *describe_unit_options(cfg.units, self.strategy.module),
+            *filter(None, [describe_lora(self.strategy.module)]),
             f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
             f"precision {self.strategy.amp.describe()}",
             f"optimizer {cfg.optim.optimizer}, lr {self.lr_schedule.base_lr:g}, schedule {self.lr_schedule}",
@@ -248,6 +250,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
                                                                              config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
+    model = apply_lora(model, config.lora.lora)  # --lora: adapters put in, the model's own weights frozen
     model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
     model = apply_unit_options(model, config.units)  # --activation-checkpointing, --compile: per unit, before any wrap
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
