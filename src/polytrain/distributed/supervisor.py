@@ -236,13 +236,10 @@ class _Watch:
         return sorted(set(self.alive.values()) | set(self.pending.values()))
 
     def _needed_done(self) -> bool:
-        """Every rank that is not expendable has ended (reported, and its process exited). Where every rank is
-        expendable (``--on-failure continue``), the rank whose result is the job's has reported: the one whose
-        result names its own rank as ``main_slot`` (the last membership's rank 0, which writes the run's files
-        after its peers are done), or, with none such, every rank still running."""
-        if len(self.expendable) >= len(self.processes):
-            return any(isinstance(result, dict) and result.get("main_slot") == rank
-                       for rank, result in self.results.items()) or not self._running()
+        """Every rank that is not expendable has ended (reported, and its process exited); where every rank is
+        expendable (``--on-failure continue``), one has reported its result (the survivors end together)."""
+        if len(self.expendable) >= len(self.processes) and not self.results:
+            return False
         return all(rank in self.expendable for rank in self._running())
 
     def _deadline(self) -> float | None:
