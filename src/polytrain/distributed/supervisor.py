@@ -167,9 +167,6 @@ class _Watch:
                           for rank in silent]
         if self.failures:
             raise _root_cause(self.failures, len(self.processes), self.names)
-        if not self.results and self.lost and len(self.lost) == len(self.processes):
-            whom = "; ".join(f"{_name(self.names, rank)} {what}" for rank, what in sorted(self.lost.items()))
-            raise errors.WorkerError(f"every worker was lost, none is left to go on: {whom}")
         return [self.results.get(rank) for rank in range(len(self.processes))]
 
     # -- events ---------------------------------------------------------------------------------------
@@ -236,10 +233,7 @@ class _Watch:
         return sorted(set(self.alive.values()) | set(self.pending.values()))
 
     def _needed_done(self) -> bool:
-        """Every rank that is not expendable has ended (reported, and its process exited); where every rank is
-        expendable (``--on-failure continue``), one has reported its result (the survivors end together)."""
-        if len(self.expendable) >= len(self.processes) and not self.results:
-            return False
+        """Every rank that is not expendable has ended (reported, and its process exited)."""
         return all(rank in self.expendable for rank in self._running())
 
     def _deadline(self) -> float | None:
