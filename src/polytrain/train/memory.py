@@ -57,7 +57,7 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor):
+        if _is_parameter(tensor) or _holds_nothing(tensor):
             return tensor
         key, size = _storage(tensor)
         with self._lock:
@@ -97,6 +97,14 @@ class _Held:
 
 def _unpack(packed: Any) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Held) else packed
+
+
+def _holds_nothing(tensor: torch.Tensor) -> bool:
+    """A tensor with shapes only: on the meta device, or a fake one (a traced pipeline stage infers its
+    shapes on fake tensors in its first step; their sizes may be symbolic, which no count can hold)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:

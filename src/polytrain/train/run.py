@@ -35,6 +35,7 @@ from polytrain.train.session import strategy_options
 from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
 from polytrain.train.straggler import check_stragglers
 from polytrain.train.unit_options import check_unit_options
+from polytrain.models.lora import check_lora
 from polytrain.train.trainer import train_worker
 
 
@@ -66,6 +67,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
     check_unit_options(config, model)
+    check_lora(config, model)
     check_on_failure(config, layout)
     check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)

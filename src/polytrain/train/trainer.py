@@ -38,6 +38,7 @@ from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.devices.soft import operator_errors
 from polytrain.errors import DivergedError, RunStopped
+from polytrain.models.lora import export as lora_export, lora_of
 from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
@@ -372,6 +373,15 @@ class Trainer:
         if not path:
             return []
         self._check_finite()
+        adapters = lora_of(self.strategy.module)
+        if adapters is not None:  # --lora: the adapters in PEFT's format (--merge-lora: and the merged model)
+            state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
+            if not self.topology.is_main:
+                return []
+            lora_export(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), adapters, path,
+                        self.config.lora.merge_lora)
+            self.session.log.info(f"LoRA adapters saved to {path} (PEFT's format)")
+            return [f"--save-model {path}"]
         if is_directory_target(path) or path.endswith(".safetensors"):  # one tensor at a time, never the whole
             save_model(self.strategy, path, parse_size(self.config.train.save_shard_size))
             if not self.topology.is_main:
