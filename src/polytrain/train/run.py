@@ -13,7 +13,7 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.registry import check_data
+from polytrain.data.registry import build_data, check_data
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
@@ -25,7 +25,9 @@ from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for, registered
 from polytrain.strategies.settings import check_settings_read
+from polytrain.specs import is_import_path
 from polytrain.train.checkpoint import check_checkpoint_dir
+from polytrain.train.data_check import check_user_data
 from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
@@ -74,11 +76,22 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
-    if data is None:
+    if data is None and is_import_path(config.data.data):  # a user's factory: its data checked, once, here
+        made = build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+        _check_user_data(made, f"--data {config.data.data}", config, model)
+        _check_dataset_size(len(made.train), layout.slices, config.global_batch(layout.slices))
+    elif data is None:
         _check_dataset_size(check_data(config.data.data, config.data.data_args), layout.slices,
                             config.global_batch(layout.slices))
+    else:
+        _check_user_data(data, f"data={data.name}", config, model)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return layout
+
+
+def _check_user_data(data: DataBundle, what: str, config: RunConfig, model: nn.Module | None) -> None:
+    check_user_data(data, what, model, config.model.model, config.model.model_args,
+                    own_loss=config.train.loss == "model")
 
 
 def _check_dataset_size(train_size: int | None, processes: int, global_batch: int) -> None:
