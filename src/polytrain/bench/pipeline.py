@@ -25,7 +25,7 @@ import torch
 from polytrain.bench.cases import interleaved
 from polytrain.bench.measure import BenchError
 from polytrain.errors import ConfigError
-from polytrain.strategies.pipeline import plan, split
+from polytrain.parallel.pp import plan, split
 
 
 @dataclass(frozen=True)

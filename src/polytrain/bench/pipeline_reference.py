@@ -38,7 +38,7 @@ from polytrain.data.registry import build_data
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.parts import units
 from polytrain.models.registry import build_model
-from polytrain.strategies.pipeline.plan import torch_schedule_class
+from polytrain.parallel.pp.plan import torch_schedule_class
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from polytrain.bench.pipeline import (PipelineBenchConfig, PipelineCase, Run, cases, run_case, running_order,
                                       split_balance)
 from polytrain.bench.report import environment
-from polytrain.strategies.pipeline import plan
+from polytrain.parallel.pp import plan
 
 #: the target: at M=8, P=2 the measured speed-up reaches this share of the theoretical one
 EFFICIENCY_TARGET = 0.85

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from polytrain.bench.pipeline import installed_schedules
 from polytrain.bench.report import environment
 from polytrain.errors import ConfigError
-from polytrain.strategies.pipeline import plan
+from polytrain.parallel.pp import plan
 
 
 @dataclass(frozen=True)

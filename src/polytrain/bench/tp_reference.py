@@ -10,7 +10,7 @@ cross-entropy / backward / step on each whole global batch (every tensor-paralle
 
 Taken from polytrain: the model, its initial values (``build_model(..., seed=S)``), the data and the batch
 order, so both sides train the same network on the same batches; and the style of ``transformer_lm``'s fused
-q, k, v projection (3 parts, each split alike: :mod:`polytrain.strategies.tensor.plan`), which torch has no
+q, k, v projection (3 parts, each split alike: :mod:`polytrain.parallel.tp.plan`), which torch has no
 name for. Records examples/s over the steps after the warm-up and each timed step's seconds (rank 0's clock).
 
 Run alone::
@@ -40,7 +40,7 @@ from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
-from polytrain.strategies.tensor.plan import Rule, parallel_style
+from polytrain.parallel.tp.plan import Rule, parallel_style
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ the schedule: per rank, the ordered actions of one optimizer step (F forward, B 
 weight halves in the zero-bubble schedules), laid out in time by a replay with unit costs, and the bubble:
 the simulated one and the theoretical (P-1)/(vM+P-1). Then each rank's memory for parameters, gradients,
 optimizer state and activations, estimated from the model built on the meta device
-(:mod:`polytrain.strategies.memory_plan`).
+(:mod:`polytrain.parallel.memory_plan`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from polytrain.strategies import get_strategy
     from polytrain.strategies.base import registered
     from polytrain.strategies.settings import check_settings_read
-    from polytrain.strategies.memory_plan import estimate_memory
+    from polytrain.parallel.memory_plan import estimate_memory
     from polytrain.train.run import layout_of
 
     config = config_from(args)
@@ -72,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(tp_plan[0].describe(layout.axis("tp"), tp_plan[1]))
     if schedule:
-        from polytrain.strategies.pipeline import plan
+        from polytrain.parallel.pp import plan
 
         print()
         print(plan.chart(schedule["schedule"], schedule["ranks"], schedule["microbatches"]))
     if traced_split:
-        from polytrain.strategies.pipeline import plan
+        from polytrain.parallel.pp import plan
 
         print()
         print(traced_split.describe([plan.stage_rank(s, layout.axis("pp"), "loop")
@@ -92,7 +92,7 @@ def _tp_plan(config: Any, layout: Any) -> tuple[Any, Any] | None:
     axis; checked as train checks it (one line if it cannot split the model)."""
     if layout.axis("tp") == 1:
         return None
-    from polytrain.strategies.tensor.strategy import check_tp, meta_model
+    from polytrain.parallel.tp.strategy import check_tp, meta_model
 
     model = meta_model(config)
     plan = check_tp(config, model, layout.axis("tp"))
@@ -103,7 +103,7 @@ def _traced_split(config: Any, layout: Any) -> Any:
     """Where the tracer would cut a model that is not a chain of units, where the layout has a ``pp`` axis."""
     if layout.axis("pp") == 1:
         return None
-    from polytrain.strategies.pipeline.traced_run import plan_split
+    from polytrain.parallel.pp.traced_run import plan_split
 
     return plan_split(config, layout)
 
@@ -112,7 +112,7 @@ def _schedule(config: Any, layout: Any) -> dict[str, Any] | None:
     """Each pipeline's schedule as data, where the layout has a ``pp`` axis."""
     if layout.axis("pp") == 1:
         return None
-    from polytrain.strategies.pipeline import plan
+    from polytrain.parallel.pp import plan
 
     opts = config.pipeline
     ranks, microbatches = layout.axis("pp"), opts.microbatches

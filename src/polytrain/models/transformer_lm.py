@@ -82,7 +82,7 @@ class Head(nn.Module):
 class TransformerLM(nn.Module):
     """tokens (batch, time <= seq_len) -> logits (batch, time, vocab)."""
 
-    #: how ``--tp`` splits it (:mod:`polytrain.strategies.tensor.plan`): each block's heads (q, k and v of a
+    #: how ``--tp`` splits it (:mod:`polytrain.parallel.tp.plan`): each block's heads (q, k and v of a
     #: rank's heads: the fused projection's 3 parts split alike) and its MLP's hidden features
     tp_plan = {
         "blocks.*.attn.qkv": {"style": "colwise", "parts": 3, "heads": "heads"},

@@ -3,9 +3,9 @@
 
 from polytrain.strategies import single, sync  # noqa: F401  (registers them)
 from polytrain.strategies import periodic  # noqa: F401  (local-sgd, diloco)
-from polytrain.strategies import pipeline  # noqa: F401  (pipeline, hybrid)
-from polytrain.strategies import fsdp  # noqa: F401  (fsdp)
-from polytrain.strategies import tensor  # noqa: F401  (tp)
+from polytrain.parallel import pp  # noqa: F401  (pipeline, hybrid)
+from polytrain.parallel import fsdp  # noqa: F401  (fsdp)
+from polytrain.parallel import tp  # noqa: F401  (tp)
 from polytrain.strategies.ps import strategy as _ps  # noqa: F401  (async)
 from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
 

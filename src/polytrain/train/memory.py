@@ -14,7 +14,7 @@ Three numbers per trainer rank, in the run's end record and summary (docs/device
   and views of them are not activations): the most of the run's 2nd to :data:`MEASURED_STEPS`-th steps (the
   first step's in a run of one step).
 
-``polytrain plan`` estimates the same quantities before a run (:mod:`polytrain.strategies.memory_plan`),
+``polytrain plan`` estimates the same quantities before a run (:mod:`polytrain.parallel.memory_plan`),
 counting activations with the same :class:`SavedTensors` on a forward that allocates nothing.
 """
 

@@ -1,6 +1,6 @@
 """Per-unit activation checkpointing and compilation: ``--activation-checkpointing`` and ``--compile``.
 
-A model's units are what a pipeline splits and ``fsdp`` shards (:func:`polytrain.strategies.pipeline.split.units`):
+A model's units are what a pipeline splits and ``fsdp`` shards (:func:`polytrain.parallel.pp.split.units`):
 its top-level children, an ``nn.ModuleList`` counted as its items (``transformer_lm``: ``embed, blocks.0 ...
 blocks.N-1, head``; an ``nn.Sequential`` model: ``0, 1, ...``). Every model with children has units; a model
 without any (one bare layer) has nothing to apply these to, which is an error rather than a silent no-op.
@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
-from polytrain.strategies.pipeline.split import units
+from polytrain.parallel.pp.split import units
 
 _EVERY = re.compile(r"^every:(\S+)$")
 

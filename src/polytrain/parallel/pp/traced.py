@@ -34,8 +34,8 @@ from torch.distributed.pipelining.stage import _PipelineStage
 from torch.utils._pytree import tree_map
 
 from polytrain.errors import ConfigError
-from polytrain.strategies.pipeline import split
-from polytrain.strategies.pipeline.stages import StageTiming, recv_activation, send_activation
+from polytrain.parallel.pp import split
+from polytrain.parallel.pp.stages import StageTiming, recv_activation, send_activation
 from polytrain.tasks import model_loss_of, outputs_of
 
 

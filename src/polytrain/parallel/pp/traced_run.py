@@ -1,4 +1,4 @@
-"""What :class:`~polytrain.strategies.pipeline.strategy.Pipeline` does when its model is split by the tracer
+"""What :class:`~polytrain.parallel.pp.strategy.Pipeline` does when its model is split by the tracer
 (:mod:`.traced`) rather than as a chain of units: which path a run takes, this rank's traced stages, the
 tied tensors' gradients summed over the ranks holding them, the loss of ``--loss model``, and evaluation
 through the traced graph.
@@ -22,7 +22,7 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build
-from polytrain.strategies.pipeline import split, traced
+from polytrain.parallel.pp import split, traced
 from polytrain.strategies.step import _model_global_units, loss_divisor
 
 
@@ -258,7 +258,7 @@ def plan_split(config: Any, layout: Any) -> traced.TracedSplit | None:
     refuse the split."""
     from polytrain.data.registry import build_data
     from polytrain.models.registry import build_model
-    from polytrain.strategies.pipeline import plan
+    from polytrain.parallel.pp import plan
     from polytrain.tasks import get_task
 
     data = build_data(config.data.data, config.data.data_args, seed=config.train.seed)

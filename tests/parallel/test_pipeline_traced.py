@@ -1,5 +1,5 @@
 """A Hugging Face GPT-2 with tied embeddings, from a user factory, pipelined through the tracer
-(strategies/pipeline/traced.py): gpipe and 1f1b, 2 and 4 stages, --loss task and model, each equal to single
+(parallel/pp/traced.py): gpipe and 1f1b, 2 and 4 stages, --loss task and model, each equal to single
 on the whole batch after 8 steps; the tied tensor held once in what is saved; each rank holding only its
 stages; a split point naming no module and a model the tracer cannot handle, one line each.
 
@@ -110,7 +110,7 @@ def test_plan_prints_the_traced_split_and_each_ranks_part(capsys):
 def test_split_points_out_of_order_too_many_stages_or_never_called_are_one_line_each():
     from torch import nn
 
-    from polytrain.strategies.pipeline import traced
+    from polytrain.parallel.pp import traced
     from tests.strategies.hf_gpt2 import gpt2
 
     with torch.device("meta"):

@@ -305,7 +305,7 @@ def _activations(model: nn.Module, stages: list[list[str]] | None, inputs: _Inpu
 def in_flight(schedule: str, ranks: int, microbatches: int, stage_bytes: list[int]) -> list[int]:
     """Each rank's most activation bytes held at once over one step of ``schedule``: a forward of a stage
     holds that stage's bytes until its backward (``B``), or, backward split, until its weight pass (``W``)."""
-    from polytrain.strategies.pipeline import plan
+    from polytrain.parallel.pp import plan
 
     peaks = []
     for actions in plan.actions(schedule, ranks, microbatches):
@@ -477,7 +477,7 @@ class _Context:
 
     def _tensor_parallel(self) -> list[RankMemory]:
         """``tp``: each rank its part of the layers the plan splits (their rows or columns), the rest whole."""
-        from polytrain.strategies.tensor.plan import plan_for
+        from polytrain.parallel.tp.plan import plan_for
 
         tp = self.layout.axis("tp")
         shapes = plan_for(self.model, self.config.tp.tp_plan).local_shapes(self.model, tp)
@@ -515,7 +515,7 @@ class _Context:
         return out
 
     def _fsdp(self) -> list[RankMemory]:
-        from polytrain.strategies.pipeline.split import units
+        from polytrain.parallel.pp.split import units
 
         n = self.layout.processes
         found = self.activations()
@@ -544,16 +544,16 @@ class _Context:
         return params, grads, state
 
     def _pipeline(self) -> list[RankMemory]:
-        from polytrain.strategies.pipeline import plan, split
+        from polytrain.parallel.pp import plan, split
 
-        from polytrain.strategies.pipeline.traced_run import chain_kind, must_trace
+        from polytrain.parallel.pp.traced_run import chain_kind, must_trace
 
         opts = self.config.pipeline
         info = plan.schedule_info(opts.schedule)
         pp, dp = self.layout.axis("pp"), self.layout.axis("dp")
         if not chain_kind(self.model) or must_trace(self.model, split.parse_split(opts.split_at),
                                                     self.config.train.loss):
-            return self._traced_pipeline()  # cut by the tracer (strategies/pipeline/traced.py)
+            return self._traced_pipeline()  # cut by the tracer (parallel/pp/traced.py)
         stages = pp * info.chunks
         parts = split.units(self.model)
         names = [name for name, _ in parts]
@@ -592,8 +592,8 @@ class _Context:
     def _traced_pipeline(self) -> list[RankMemory]:
         """A model the tracer cuts: each rank its stages' tensors (a tensor tied across stages on each rank
         using it), activations not estimated."""
-        from polytrain.strategies.pipeline import plan
-        from polytrain.strategies.pipeline.traced_run import plan_split
+        from polytrain.parallel.pp import plan
+        from polytrain.parallel.pp.traced_run import plan_split
 
         chosen = plan_split(self.config, self.layout)
         names: dict[int, list[str]] = {}

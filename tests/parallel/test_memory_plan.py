@@ -1,4 +1,4 @@
-"""Memory planned (polytrain/strategies/memory_plan.py): each rank's parameters, gradients, optimizer state and
+"""Memory planned (polytrain/parallel/memory_plan.py): each rank's parameters, gradients, optimizer state and
 activations from a model built on the meta device, per strategy, as plain data; and against measured runs: the
 state bytes exactly, the activations within 5 %."""
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import polytrain
 from polytrain.config import make_config
-from polytrain.strategies.memory_plan import estimate_memory, probe_optimizer
+from polytrain.parallel.memory_plan import estimate_memory, probe_optimizer
 from polytrain.train.optim import OptimConfig, build_optimizer
 from polytrain.train.run import layout_of
 
@@ -141,12 +141,12 @@ def reads_its_input(input_shape, num_classes):
 
 
 def test_what_cannot_be_built_or_run_without_values_is_said_and_the_rest_estimated():
-    skipped = _estimate(strategy="single", model="tests.strategies.test_memory_plan:needs_real_values",
+    skipped = _estimate(strategy="single", model="tests.parallel.test_memory_plan:needs_real_values",
                         data="synthetic:shape=8,size=64")
-    assert skipped.skipped.startswith("--model tests.strategies.test_memory_plan:needs_real_values cannot be "
+    assert skipped.skipped.startswith("--model tests.parallel.test_memory_plan:needs_real_values cannot be "
                                       "built on the meta device")
     assert skipped.describe().startswith("memory estimate: skipped: --model ")
-    no_forward = _estimate(strategy="single", model="tests.strategies.test_memory_plan:reads_its_input",
+    no_forward = _estimate(strategy="single", model="tests.parallel.test_memory_plan:reads_its_input",
                            data="synthetic:shape=8,size=64")
     (rank,) = no_forward.ranks
     assert rank.activations is None and rank.parameters == (8 * 10 + 10) * 4

@@ -14,8 +14,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
-from polytrain.strategies.pipeline import plan, split
-from polytrain.strategies.pipeline.strategy import check_split, choose_split
+from polytrain.parallel.pp import plan, split
+from polytrain.parallel.pp.strategy import check_split, choose_split
 
 SHAPES = [(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)]
 

@@ -1,3 +1,3 @@
 """Tensor parallel: ``--strategy tp`` and the ``--tp`` axis of ``pipeline``/``hybrid``; plans in :mod:`.plan`."""
 
-from polytrain.strategies.tensor import strategy  # noqa: F401  (registers tp)
+from polytrain.parallel.tp import strategy  # noqa: F401  (registers tp)

@@ -9,7 +9,7 @@ from torch import nn
 
 from polytrain.errors import ConfigError
 from polytrain.models.registry import build_model
-from polytrain.strategies.tensor.plan import Rule, TensorPlan, plan_for
+from polytrain.parallel.tp.plan import Rule, TensorPlan, plan_for
 
 
 def _lm(**args):
@@ -83,8 +83,8 @@ def test_polytrain_plan_prints_the_tp_plan_on_the_mesh(capsys):
 def test_tp_layouts_and_settings_refused_before_launch():
     from polytrain.config import make_config
     from polytrain.distributed.topology import Topology
-    from polytrain.strategies.tensor.config import TensorParallelConfig
-    from polytrain.strategies.tensor.strategy import TensorParallel
+    from polytrain.parallel.tp.config import TensorParallelConfig
+    from polytrain.parallel.tp.strategy import TensorParallel
     from polytrain.train.run import layout_of
 
     layout = TensorParallel.layout(4, TensorParallelConfig(tp=2))

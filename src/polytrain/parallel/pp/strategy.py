@@ -52,14 +52,14 @@ from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
-from polytrain.strategies.pipeline import plan, split, traced
-from polytrain.strategies.pipeline.transport import check_transport
-from polytrain.strategies.pipeline.traced_run import TracedRun, chain_kind, must_trace
-from polytrain.strategies.pipeline.build import UnitMaker, release_unit
-from polytrain.strategies.pipeline.stages import TimedStage, chain_forward
+from polytrain.parallel.pp import plan, split, traced
+from polytrain.parallel.pp.transport import check_transport
+from polytrain.parallel.pp.traced_run import TracedRun, chain_kind, must_trace
+from polytrain.parallel.pp.build import UnitMaker, release_unit
+from polytrain.parallel.pp.stages import TimedStage, chain_forward
 from polytrain.strategies.step import StepResult, loss_divisor
 from polytrain.tasks import check_takes_labels
-from polytrain.strategies.tensor import axis as tp_axis
+from polytrain.parallel.tp import axis as tp_axis
 
 
 #: what --strategy pipeline is told of hybrid's mesh settings (strategies/settings.py)
@@ -95,7 +95,7 @@ class Pipeline(TracedRun, Strategy):
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
     builds_part = True  # a model from any factory comes on the meta device (models/replay.py: _replay)
-    also_reads = ("tp",)  # --tp, --tp-plan: a tp axis of T ranks per stage (polytrain.strategies.tensor.axis)
+    also_reads = ("tp",)  # --tp, --tp-plan: a tp axis of T ranks per stage (polytrain.parallel.tp.axis)
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:

@@ -5,7 +5,7 @@ import pytest
 
 import polytrain
 from polytrain.errors import ConfigError
-from polytrain.strategies.pipeline.transport import check_transport
+from polytrain.parallel.pp.transport import check_transport
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "hybrid"])

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from polytrain.errors import ConfigError
-from polytrain.strategies.tensor.plan import plan_for
-from polytrain.strategies.tensor.strategy import check_tp, clip_grads, like, split_layers
+from polytrain.parallel.tp.plan import plan_for
+from polytrain.parallel.tp.strategy import check_tp, clip_grads, like, split_layers
 
 __all__ = ["axis_size", "check_axis", "clip_grads", "split_stages"]
 
@@ -42,7 +42,7 @@ def split_stages(strategy: Any) -> None:
     """This rank's stages' layers split over the tp axis of ``strategy`` (a pipeline whose stages are made);
     the split replaces their Parameter objects, so the optimizer is built again over the model's parameters,
     in ``single``'s order, with the state it held (a resumed checkpoint's) cut into this rank's parts."""
-    from polytrain.strategies.pipeline import split as pipeline_split
+    from polytrain.parallel.pp import split as pipeline_split
 
     if getattr(strategy, "is_traced", False):
         raise ConfigError("--tp with a model the tracer cuts into stages is not supported; use --tp with a "

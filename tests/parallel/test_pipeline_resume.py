@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from polytrain.models.transformer_lm import transformer_lm
-from polytrain.strategies.pipeline import split
-from polytrain.strategies.pipeline.strategy import choose_split
+from polytrain.parallel.pp import split
+from polytrain.parallel.pp.strategy import choose_split
 
 MODEL = "transformer_lm:layers=4,dim=32,heads=2"
 COMMON = ["--model", MODEL, "--data", "text:seq_len=16", "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.1",

@@ -21,7 +21,7 @@ from tests.helpers.tensor_bytes import local_bytes
 LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", batch_size=16)
 # SGD with momentum at a modest rate for the CNN: a ReLU network at a high rate or with Adam turns the float-order
 # differences of a sharded reduction into flipped units within 10 steps (with Adam sync is 3e-4 off single there
-# too, fsdp 3e-3; at lr 0.05 fsdp 8e-3); at lr 0.01 fsdp is within 2e-6 of single (tests/strategies/test_fsdp.py)
+# too, fsdp 3e-3; at lr 0.05 fsdp 8e-3); at lr 0.01 fsdp is within 2e-6 of single (tests/parallel/test_fsdp.py)
 CNN = dict(model="cifar_cnn", data="synthetic:size=256,test_size=64", batch_size=16, optimizer="sgd", lr=0.01,
            momentum=0.9)
 COMMON = dict(steps=10, seed=5, progress="off", eval_every=5, log_every=5, optimizer="adam", lr=0.003,

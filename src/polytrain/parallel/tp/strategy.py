@@ -35,8 +35,8 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
-from polytrain.strategies.tensor.config import TensorParallelConfig
-from polytrain.strategies.tensor.plan import TensorPlan, plan_for
+from polytrain.parallel.tp.config import TensorParallelConfig
+from polytrain.parallel.tp.plan import TensorPlan, plan_for
 
 
 @register_strategy

@@ -9,7 +9,7 @@ import torch
 
 import polytrain
 from polytrain.errors import ConfigError
-from polytrain.strategies.pipeline import plan
+from polytrain.parallel.pp import plan
 from polytrain.train.checkpoint import Checkpointer, load_checkpoint
 
 MODEL = "transformer_lm:layers=4,dim=32,heads=2"  # units: embed, blocks.0-3, head
