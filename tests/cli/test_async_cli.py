@@ -18,7 +18,7 @@ def test_bad_async_settings_are_one_line_before_anything_starts(cli_env, args, m
 
 
 def test_help_says_what_the_batch_size_is_for_async(cli_env):
-    proc = polytrain("--help", env=cli_env)
+    proc = polytrain("--help-all", env=cli_env)
     text = " ".join(proc.stdout.split())
     assert ("--batch-size counts one step: N slices of batch/N examples, each computed by whichever worker is free "
             "and applied alone, scaled by 1/N; --steps counts such steps over all workers") in text

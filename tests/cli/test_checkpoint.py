@@ -91,6 +91,10 @@ def test_a_sharded_runs_parts_are_inspected_and_exported_as_single_and_safetenso
         exported = reader(tmp_path / name)
         assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     assert "(4 tensors, safetensors)" in out.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("m.pt", "m.safetensors")}
+    assert modes == {"m.pt": 0o666 & ~umask, "m.safetensors": 0o666 & ~umask}  # 0644 under the usual umask
 
 
 def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_path):

@@ -108,7 +108,7 @@ def _save_safetensors(tensors: dict[str, Any], out: str, state: dict[str, Any]) 
     from pathlib import Path
 
     from polytrain.errors import ConfigError
-    from polytrain.train.files import tmp_path
+    from polytrain.train.files import tmp_path, usual_mode
 
     try:
         from safetensors.torch import save_file
@@ -122,6 +122,7 @@ def _save_safetensors(tensors: dict[str, Any], out: str, state: dict[str, Any]) 
                 "polytrain_model": str((state.get("config") or {}).get("model", ""))}
     try:
         save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        usual_mode(tmp)  # as the .pt export's, not safetensors' own 0600
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
