@@ -50,6 +50,11 @@ from polytrain.phases import phase
 from polytrain.train.profile import StepProfiler
 
 
+#: a first step this slow is said when it ends (a long one: a large model, --compile, activation checkpointing),
+#: rather than nothing until the first log point
+_SLOW_FIRST_STEP_S = 5.0
+
+
 class Trainer:
     """Trains one model as ``config`` says, in this worker process."""
 
@@ -140,6 +145,11 @@ class Trainer:
             meter.add(result.examples, elapsed, waited, result.loss)
             totals.add(result.examples, elapsed, waited, result.loss)
             run_log.advance()
+            if step == s.start_step and elapsed >= _SLOW_FIRST_STEP_S and 1 < cfg.log.log_every \
+                    and done < s.total_steps:
+                run_log.info(f"first step done in {elapsed:.1f} s; the next line at step "
+                             f"{min(s.total_steps, (done // cfg.log.log_every + 1) * cfg.log.log_every)} "
+                             f"(--log-every {cfg.log.log_every})")
             step = done
             self.kill.after_step(done)
             if done % cfg.log.log_every == 0 or done == s.total_steps:
