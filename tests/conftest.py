@@ -5,12 +5,27 @@ import pytest
 import torch
 
 import polytrain.components  # noqa: F401  (every setting registered, as the command line and the API do)
+from tests.helpers.serial import suite_lock
 
 # polytrain's CLI runs in subprocesses in some tests; they must find this checkout's sources
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
+#: the modules that take longest, started first so that pytest -n 2 does not end with one of them alone (the
+#: rest keep their order); a module runs on one worker (--dist loadscope: its module fixtures run once)
+FIRST = [
+    "tests/cli/test_signals.py",
+    "tests/cli/test_bench.py",
+    "tests/parallel/test_pipeline_traced.py",
+    "tests/cli/test_checkpoint.py",
+    "tests/devices/test_memory_limit.py",
+    "tests/train/test_dirlock.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: n for n, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))  # (a stable sort)
     has_gpu = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if has_gpu else 0
     for item in items:
@@ -43,3 +58,21 @@ def command_env() -> dict[str, str]:
 @pytest.fixture
 def python():
     return sys.executable
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked ``serial`` runs while no other test does (tests/helpers/serial.py)."""
+    lock = item.config.stash.get(_LOCK, None)
+    if lock is None:
+        yield
+        return
+    with lock.held(alone=item.get_closest_marker("serial") is not None):
+        yield
+
+
+_LOCK = pytest.StashKey()
+
+
+def pytest_configure(config):
+    config.stash[_LOCK] = suite_lock(config)

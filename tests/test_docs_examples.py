@@ -7,10 +7,15 @@ with the reason, and is skipped with that reason:
 
     <!-- example: skip, needs two CUDA devices -->
     <!-- example: skip, fragment: Net and loader stand for your own model and data -->
+
+A block that imports an optional package (transformers, safetensors, ...: :data:`OPTIONAL`) is skipped, with
+that reason, where the package is not installed; ``make test`` installs them all (requirements-dev.txt).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,6 +31,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _MARK = re.compile(r"<!--\s*example:(.*?)-->")
 _SKIP = re.compile(r"^\s*skip,\s*(\S.*?)\s*$")
+#: the optional packages an example may import, and where they come from
+OPTIONAL = {"transformers": "polytrain[interop]", "safetensors": "polytrain[safetensors]",
+            "matplotlib": "polytrain[plot]", "mlflow": "polytrain[mlflow]", "wandb": "polytrain[wandb]",
+            "tokenizers": "tokenizers", "datasets": "datasets", "peft": "peft"}
 
 
 def _examples() -> list:
@@ -49,12 +58,26 @@ def _skip_reason(line_before: str) -> str | None:
     return reason.group(1)
 
 
+def _missing_packages(code: str) -> str | None:
+    """Why ``code`` cannot run here: the optional packages it imports that are not installed (None: all are)."""
+    imported = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.split(".")[0])
+    missing = sorted(name for name in imported & OPTIONAL.keys() if importlib.util.find_spec(name) is None)
+    if not missing:
+        return None
+    return f"needs {', '.join(missing)}, not installed (pip install {' '.join(OPTIONAL[n] for n in missing)})"
+
+
 EXAMPLES = _examples()
 
 
 @pytest.mark.parametrize("code, line_before", EXAMPLES)
 def test_example_runs(code, line_before, tmp_path, cli_env):
-    reason = _skip_reason(line_before)
+    reason = _skip_reason(line_before) or _missing_packages(code)
     if reason:
         pytest.skip(reason)
     script = tmp_path / "example.py"
@@ -80,3 +103,10 @@ def test_markers_name_a_reason():
         _skip_reason("<!-- example: skp, needs a GPU -->")
     with pytest.raises(AssertionError, match="unknown example marker"):
         _skip_reason("<!-- example: skip -->")
+
+
+def test_an_example_that_imports_a_missing_optional_package_is_skipped_saying_which(monkeypatch):
+    assert _missing_packages("import torch\nfrom polytrain import launch\n") is None
+    monkeypatch.setitem(OPTIONAL, "polytrain_no_such_package", "polytrain-no-such-package")
+    reason = _missing_packages("import os\nfrom polytrain_no_such_package.sub import x\n")
+    assert reason == "needs polytrain_no_such_package, not installed (pip install polytrain-no-such-package)"

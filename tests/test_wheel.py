@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ("polytrain/data/digits.npz", "polytrain/data/devils_dictionary.txt.gz")
+SHIPPED = ("polytrain/data/digits.npz", "polytrain/data/devils_dictionary.txt.gz", "polytrain/data/text_tokenizer.json")
 
 
 def _env() -> dict[str, str]:

@@ -8,6 +8,8 @@ Every task answers the same questions, so a training step and an evaluation need
   are weighted by them, so that the mean over the whole batch is what every strategy minimises;
 - ``score(outputs, targets)``: (summed loss, correct count, units) as tensors, for evaluation;
 - ``metrics(mean_loss, accuracy)``: the task's extra metrics (``perplexity`` for ``lm``);
+- ``model_kwargs(inputs)``: keyword arguments the model's forward gets besides the inputs (packed documents'
+  ``position_ids``, see :class:`PackedLanguageModelTask`; none otherwise);
 - ``model_labels(inputs, targets)``, ``model_units(labels)``, ``model_global_units(units, examples)``: with
   ``--loss model``, what polytrain passes a model as ``labels=`` and the units the model's own loss averages
   over, in a micro-batch and in the whole global batch (see :class:`LanguageModelTask` for ``lm``).
@@ -101,6 +103,10 @@ class Task:
         """Metrics beyond loss and accuracy, from their means over an evaluation."""
         return {}
 
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, Any]:
+        """Keyword arguments of the model's forward besides ``inputs``."""
+        return {}
+
     # --loss model: the model computes its loss from labels=, the Hugging Face convention
 
     def model_labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -189,6 +195,35 @@ class LanguageModelTask(Task):
     def metrics(self, mean_loss: float, accuracy: float | None) -> dict[str, float]:
         # exp overflows a float past ~709; a perplexity that large means "no better than chance" anyway
         return {"perplexity": math.exp(mean_loss) if mean_loss < 700 else math.inf}
+
+
+class PackedLanguageModelTask(LanguageModelTask):
+    """Next-token prediction on packed documents (``--pack``): the model is given ``position_ids`` that restart
+    at 0 after each ``document_end`` token of its inputs, by which it keeps attention within each document
+    (``transformer_lm``'s block-diagonal mask; a Hugging Face model's packed format, with ``use_cache=False``
+    where it takes one, since a cache makes it ignore the packing). The data already ignores the targets
+    that would cross a document boundary."""
+
+    def __init__(self, document_end: int, extra: dict[str, Any] | None = None):
+        self.document_end, self.extra = document_end, dict(extra or {})
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, Any]:
+        from polytrain.data.spans import document_positions
+
+        return {"position_ids": document_positions(inputs, self.document_end), **self.extra}
+
+
+def packed_task(document_end: int, model: torch.nn.Module, name: str) -> PackedLanguageModelTask:
+    """The task of packed documents for ``model``; one ConfigError line if its forward takes no position ids."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "position_ids" not in params:
+        raise ConfigError(f"--pack: the forward of --model {name} takes no position_ids=, so it cannot keep each "
+                          "packed document to itself; use a model that takes them (transformer_lm, a "
+                          "Hugging Face causal LM), or leave out --pack (each document its own padded sequence)")
+    return PackedLanguageModelTask(document_end, {"use_cache": False} if "use_cache" in params else None)
 
 
 def _classification_targets(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

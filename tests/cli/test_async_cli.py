@@ -1,8 +1,10 @@
-"""`polytrain train --strategy async` from the command line: bad settings, --help, the opening lines."""
+"""`polytrain train --strategy async` from the command line: bad settings, --help, the opening lines (the bad
+settings and --help, which start nothing, through the command's ``main`` in this process)."""
 
 import pytest
 
 from tests.cli.test_train import polytrain
+from tests.helpers.cli_batch import run_here
 
 
 @pytest.mark.parametrize("args, message", [
@@ -11,14 +13,15 @@ from tests.cli.test_train import polytrain
     (["--tolerate-worker-loss", "--workers", "2", "--heartbeat-timeout", "0"], "needs the heartbeat"),
     (["--batch-size", "33", "--workers", "2"], "--batch-size 33 does not divide over 2 workers"),
 ])
-def test_bad_async_settings_are_one_line_before_anything_starts(cli_env, args, message):
-    proc = polytrain("--strategy", "async", "--steps", "1", *args, env=cli_env)
+def test_bad_async_settings_are_one_line_before_anything_starts(capsys, args, message):
+    proc = run_here(capsys, "train", "--strategy", "async", "--steps", "1", *args)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
 
 
-def test_help_says_what_the_batch_size_is_for_async(cli_env):
-    proc = polytrain("--help-all", env=cli_env)
+def test_help_says_what_the_batch_size_is_for_async(capsys):
+    proc = run_here(capsys, "train", "--help-all")
+    assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert ("--batch-size counts one step: N slices of batch/N examples, each computed by whichever worker is free "
             "and applied alone, scaled by 1/N; --steps counts such steps over all workers") in text
@@ -37,6 +40,7 @@ def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
     assert "done: 12 steps" in out and "with async on 2 worker(s)" in out
 
 
+@pytest.mark.serial  # --heartbeat-timeout 1.5: alone under pytest -n (make test)
 def test_a_lost_helper_is_named_in_the_summary_and_the_run_ends_well(cli_env, tmp_path):
     env = {**cli_env, "POLYTRAIN_INJECT_KILL": "rank=1,steps=5"}
     proc = polytrain("--strategy", "async", "--workers", "3", "--tolerate-worker-loss", "--heartbeat-timeout", "1.5",

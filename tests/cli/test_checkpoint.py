@@ -1,4 +1,5 @@
-"""`polytrain checkpoint inspect|export` and `train --resume` past a damaged checkpoint, as a user runs them."""
+"""`polytrain checkpoint inspect|export` and `train --resume` past a damaged checkpoint, as a user runs them
+(inspect and export, which start no worker, through the command's ``main`` in this process)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import torch
 
 from polytrain.models.registry import build_model
 from polytrain.train.checkpoint import load_checkpoint
-from tests.conftest import SRC
+from tests.helpers.cli_batch import run_here
 
 TRAIN = ["--strategy", "sync", "--workers", "2", "--model", "mlp:hidden=32", "--data", "digits", "--batch-size", "32",
          "--seed", "2", "--checkpoint-every", "10", "--eval-every", "0", "--log-every", "1", "--progress", "off"]
@@ -23,13 +24,11 @@ def polytrain(*args, env):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, module_cli_env):
     """A sync run on 2 workers, checkpointed at steps 10 and 20, whose model at step 20 is also --save-model's."""
     out = tmp_path_factory.mktemp("run")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}  # as cli_env, once per module
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     proc = polytrain("train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(out / "ckpt"), "--save-model",
-                     str(out / "model.pt"), "--metrics-file", str(out / "whole.jsonl"), env=env)
+                     str(out / "model.pt"), "--metrics-file", str(out / "whole.jsonl"), env=module_cli_env)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -44,8 +43,8 @@ def _flipped_copy(run, tmp_path):
     return ckpt
 
 
-def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, cli_env):
-    proc = polytrain("checkpoint", "inspect", str(run / "ckpt"), env=cli_env)
+def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, capsys):
+    proc = run_here(capsys, "checkpoint", "inspect", str(run / "ckpt"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"{run / 'ckpt'}: 2 checkpoint(s); latest -> step-00000020.pt"
@@ -60,8 +59,8 @@ def test_inspect_lists_every_checkpoint_and_what_the_newest_holds(run, cli_env):
     assert lines[-1].startswith("  tensors in all: ") and "; file " in lines[-1]
 
 
-def test_export_writes_the_model_that_save_model_wrote(run, cli_env, tmp_path):
-    proc = polytrain("checkpoint", "export", str(run / "ckpt"), str(tmp_path / "exported.pt"), env=cli_env)
+def test_export_writes_the_model_that_save_model_wrote(run, tmp_path, capsys):
+    proc = run_here(capsys, "checkpoint", "export", str(run / "ckpt"), str(tmp_path / "exported.pt"))
     assert proc.returncode == 0, proc.stderr
     assert f"the model of step 20 (4 tensors, pt) from {run / 'ckpt' / 'step-00000020.pt'}" in proc.stdout
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)
@@ -70,65 +69,74 @@ def test_export_writes_the_model_that_save_model_wrote(run, cli_env, tmp_path):
     build_model("mlp:hidden=32", input_shape=(1, 8, 8), num_classes=10).load_state_dict(exported)  # strict
 
 
-def test_a_sharded_runs_parts_are_inspected_and_exported_as_single_and_safetensors(cli_env, tmp_path):
-    """fsdp writes its checkpoint in parts; inspect counts their bytes and checksums, export puts the model
-    together in single's layout, as torch.save's file or as safetensors, equal to --save-model's."""
-    from safetensors.torch import load_file
-
-    ckpt = tmp_path / "ck"
-    proc = polytrain("train", "--strategy", "fsdp", *TRAIN[2:], "--steps", "4", "--checkpoint-dir", str(ckpt),
-                     "--save-model",
-                     str(tmp_path / "model.pt"), env=cli_env)
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, module_cli_env):
+    """An fsdp run on 2 workers: its checkpoint written in parts, and its --save-model."""
+    out = tmp_path_factory.mktemp("sharded")
+    proc = polytrain("train", "--strategy", "fsdp", *TRAIN[2:], "--steps", "4", "--checkpoint-dir", str(out / "ck"),
+                     "--save-model", str(out / "model.pt"), env=module_cli_env)
     assert proc.returncode == 0, proc.stderr
-    inspect = polytrain("checkpoint", "inspect", str(ckpt), env=cli_env)
+    return out
+
+
+def _export_equals_saved(sharded, capsys, path, reader, kind):
+    out = run_here(capsys, "checkpoint", "export", str(sharded / "ck"), str(path))
+    assert out.returncode == 0, out.stderr
+    assert f"(4 tensors, {kind})" in out.stdout
+    exported, saved = reader(path), torch.load(sharded / "model.pt", weights_only=True)
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file (0644), safetensors' too
+
+
+def test_a_sharded_runs_parts_are_inspected_and_exported_in_singles_layout(sharded, tmp_path, capsys):
+    """fsdp writes its checkpoint in parts; inspect counts their bytes and checksums, export puts the model
+    together in single's layout, equal to --save-model's."""
+    inspect = run_here(capsys, "checkpoint", "inspect", str(sharded / "ck"))
     assert inspect.returncode == 0, inspect.stderr
     assert "ok, size and SHA-256 match its manifest (and its 2 parts')" in inspect.stdout
     assert inspect.stdout.splitlines()[-1].endswith("written by 2 ranks in parts, each its shard")
-    saved = torch.load(tmp_path / "model.pt", weights_only=True)
-    for name, reader in (("m.pt", lambda p: torch.load(p, weights_only=True)), ("m.safetensors", load_file)):
-        out = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / name), env=cli_env)
-        assert out.returncode == 0, out.stderr
-        exported = reader(tmp_path / name)
-        assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
-    assert "(4 tensors, safetensors)" in out.stdout
-    umask = os.umask(0)
-    os.umask(umask)
-    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("m.pt", "m.safetensors")}
-    assert modes == {"m.pt": 0o666 & ~umask, "m.safetensors": 0o666 & ~umask}  # 0644 under the usual umask
+    _export_equals_saved(sharded, capsys, tmp_path / "m.pt", lambda p: torch.load(p, weights_only=True), "pt")
 
 
-def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, cli_env, tmp_path):
+def test_a_sharded_runs_parts_are_exported_as_safetensors(sharded, tmp_path, capsys):
+    safetensors = pytest.importorskip("safetensors.torch")
+    _export_equals_saved(sharded, capsys, tmp_path / "m.safetensors", safetensors.load_file, "safetensors")
+
+
+def test_inspect_and_export_pass_over_a_corrupted_checkpoint(run, tmp_path, capsys):
     ckpt = _flipped_copy(run, tmp_path)
-    inspect = polytrain("checkpoint", "inspect", str(ckpt), env=cli_env)
+    inspect = run_here(capsys, "checkpoint", "inspect", str(ckpt))
     assert inspect.returncode == 0, inspect.stderr
     assert "step-00000020.pt" in inspect.stdout and "BAD: is corrupted: its SHA-256 is " in inspect.stdout
     assert "step-00000010.pt (the newest good one):" in inspect.stdout
-    export = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / "m.pt"), env=cli_env)
+    export = run_here(capsys, "checkpoint", "export", str(ckpt), str(tmp_path / "m.pt"))
     assert export.returncode == 0, export.stderr
     assert f"polytrain: warning: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: " in export.stderr
     exported = torch.load(tmp_path / "m.pt", weights_only=True)
     at_10 = load_checkpoint(ckpt / "step-00000010.pt")["model"]
     assert all(torch.equal(exported[k], at_10[k]) for k in at_10)
-    named = polytrain("checkpoint", "export", str(ckpt), str(tmp_path / "x.pt"), "--step", "20", env=cli_env)
+    named = run_here(capsys, "checkpoint", "export", str(ckpt), str(tmp_path / "x.pt"), "--step", "20")
     assert named.returncode == 2 and not (tmp_path / "x.pt").exists()
     assert len(named.stderr.strip().splitlines()) == 1
     assert named.stderr.startswith(f"polytrain: error: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: ")
-    unknown = polytrain("checkpoint", "inspect", str(ckpt), "--step", "7", env=cli_env)
+    unknown = run_here(capsys, "checkpoint", "inspect", str(ckpt), "--step", "7")
     assert unknown.returncode == 2
     assert unknown.stderr == f"polytrain: error: {ckpt}: no checkpoint of step 7 (steps: 10, 20)\n"
 
 
-def test_a_directory_without_a_good_checkpoint_is_one_line(run, cli_env, tmp_path):
+def test_a_directory_without_a_good_checkpoint_is_one_line(run, tmp_path, capsys):
     ckpt = _flipped_copy(run, tmp_path)
     (ckpt / "step-00000010.pt").write_bytes(b"")
     for command in (["inspect", str(ckpt)], ["export", str(ckpt), str(tmp_path / "m.pt")]):
-        proc = polytrain("checkpoint", *command, env=cli_env)
+        proc = run_here(capsys, "checkpoint", *command)
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1
         assert proc.stderr.startswith(f"polytrain: error: none of the 2 checkpoint(s) in {ckpt} can be used: "
                                       "step-00000020.pt is corrupted: its SHA-256 is ")
         assert "; step-00000010.pt is truncated: 0 bytes" in proc.stderr
-    assert polytrain("checkpoint", "inspect", str(tmp_path / "empty"), env=cli_env).stderr.strip() == \
+    assert run_here(capsys, "checkpoint", "inspect", str(tmp_path / "empty")).stderr.strip() == \
         f"polytrain: error: {tmp_path / 'empty'}: no checkpoint there (no step-NNNNNNNN.pt file)"
 
 

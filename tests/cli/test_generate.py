@@ -65,7 +65,7 @@ def test_weights_that_do_not_fit_the_model_are_one_line(run_dir, capsys):
     (["--weights", "lm.pt", "--model", MODEL, "--model-arg", "dim"], "--model-arg: expected key=value, got 'dim'"),
     (["--weights", "lm.pt", "--model", MODEL, "--tokens", "-1"], "--tokens must be >= 0, got -1"),
     (["--weights", "lm.pt", "--model", MODEL, "--temperature", "-1"],
-     "--temperature must be a finite number >= 0 (0 always takes the likeliest byte), got -1.0"),
+     "--temperature must be a finite number >= 0 (0 always takes the likeliest token), got -1.0"),
     (["--weights", "lm.pt", "--model", MODEL, "--temperature", "nan"], "--temperature must be a finite number"),
     (["--weights", "lm.pt", "--model", MODEL, "--temperature", "inf"], "--temperature must be a finite number"),
 ])
@@ -173,3 +173,31 @@ def test_a_prompt_that_is_not_utf8_is_continued(run_dir, capsys):
     code, out, _ = generate(capsys, "--weights", str(run_dir / "lm.pt"), "--model", MODEL, "--prompt", "a\udcffb",
                             "--tokens", "3", "--temperature", "0")
     assert code == 0 and out.startswith("a\ufffdb")
+
+
+def test_a_run_with_a_tokenizer_samples_its_tokens(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    polytrain.fit(strategy="single", model=MODEL, data="text:seq_len=24", tokenizer="text", steps=2, batch_size=8,
+                  progress="off", eval_every=0, checkpoint_dir=str(tmp_path / "ckpt"))
+    capsys.readouterr()
+    code, out, err = generate(capsys, "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "WAR, n.",
+                              "--tokens", "5", "--temperature", "0")
+    assert code == 0 and out.startswith("WAR, n."), err
+    from polytrain.data.tokenizer import load_tokenizer
+    from polytrain.models.sampling import sample_tokens
+
+    tok = load_tokenizer("text")
+    state = Checkpointer(str(tmp_path / "ckpt")).load_latest()["model"]
+    model = polytrain.models.build_model(MODEL, input_shape=(24,), num_classes=1024)
+    model.load_state_dict(state)
+    ids = tok.encode("WAR, n.")
+    assert out.rstrip("\n") == tok.decode(ids + sample_tokens(model, ids, 5, temperature=0)).rstrip("\n")
+    code, _, err = generate(capsys, "--checkpoint-dir", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "no"))
+    assert code == 2 and "--tokenizer" in err and err.count("\n") == 1
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(run_dir, capsys):
+    pytest.importorskip("tokenizers")
+    code, out, err = generate(capsys, "--weights", str(run_dir / "lm.pt"), "--model", MODEL, "--tokenizer", "text")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--tokenizer text: its vocabulary of 1024 tokens is larger than the model's 256" in err

@@ -1,25 +1,19 @@
-"""The command line as a user meets it: help, errors as one clear line, exit codes."""
+"""The command line as a user meets it: help, errors as one clear line, exit codes (commands that start no
+worker through the command's ``main``: in this process, or many lines in one fresh one)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers.cli_batch import run_many
+from tests.helpers.cli_batch import run_here, run_many
 
 
-def polytrain(*args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "polytrain", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def test_help_reads_well(cli_env):
-    top = polytrain("--help", env=cli_env)
+def test_help_reads_well(capsys):
+    top = run_here(capsys, "--help")
     assert top.returncode == 0 and "train" in top.stdout and "devices" in top.stdout
-    train = polytrain("train", "--help", env=cli_env)
-    full = polytrain("train", "--help-all", env=cli_env)
+    train = run_here(capsys, "train", "--help")
+    full = run_here(capsys, "train", "--help-all")
     assert train.returncode == 0 and full.returncode == 0
     for heading in ("training:", "model:", "data:", "optimizer and learning rate:", "workers and launcher:",
                     "checkpoints:", "logging:", "devices and placement:"):
@@ -35,20 +29,20 @@ def test_help_reads_well(cli_env):
     assert len(train.stdout.splitlines()) * 3 < len(full.stdout.splitlines())  # short: the ~20 most runs set
 
 
-def test_devices_lists_the_cpu(cli_env):
-    table = polytrain("devices", env=cli_env)
+def test_devices_lists_the_cpu(capsys):
+    table = run_here(capsys, "devices")
     assert table.returncode == 0 and "cpu" in table.stdout
-    listed = json.loads(polytrain("devices", "--json", env=cli_env).stdout)
+    listed = json.loads(run_here(capsys, "devices", "--json").stdout)
     cpu = [d for d in listed if d["name"] == "cpu"]
     assert cpu and cpu[0]["cores"] >= 1
 
 
-def test_print_config_round_trips(cli_env, tmp_path):
-    first = polytrain("train", "--print-config", "--lr", "0.125", "--steps", "7", env=cli_env)
+def test_print_config_round_trips(capsys, tmp_path):
+    first = run_here(capsys, "train", "--print-config", "--lr", "0.125", "--steps", "7")
     assert first.returncode == 0 and "lr = 0.125" in first.stdout
     path = tmp_path / "run.toml"
     path.write_text(first.stdout)
-    second = polytrain("train", "--config", str(path), "--print-config", env=cli_env)
+    second = run_here(capsys, "train", "--config", str(path), "--print-config")
     assert second.stdout == first.stdout
 
 

@@ -1,13 +1,13 @@
 """`polytrain train` stopped from outside, as a scheduler or a user stops it: SIGTERM (Slurm, Kubernetes), Ctrl-C
 to the process group, a second signal, SIGKILL of the main process, a signal to one worker. Each time: no
-process of the job is left within the bound, the exit code says what happened, and a run stopped with a
-checkpoint directory resumes bit for bit where it stopped."""
+process of the job is left (waited for up to :data:`HANG_S`: a hang, not a speed), the exit code says what
+happened, and a run stopped with a checkpoint directory stops at the step its ranks agreed on (read from the
+run's own record) and resumes bit for bit there."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from polytrain.train.checkpoint import Checkpointer
-from tests.helpers.procs import alive, descendants, worker_rank
+from tests.helpers.procs import alive, catches, descendants, worker_rank
+from tests.helpers.seed import draw
 
-STEPS = 200
+STEPS = 120
 COMMON = ["--data", "digits", "--model", "mlp:hidden=16x16", "--batch-size", "32", "--steps", str(STEPS),
           "--progress", "off", "--eval-every", "0", "--lr", "0.05", "--log-every", "1", "--seed", "4"]
 STRATEGIES = {
@@ -28,7 +29,8 @@ STRATEGIES = {
     "async": ["--strategy", "async", "--workers", "2", "--staleness", "0"],
     "pipeline": ["--strategy", "pipeline", "--stages", "2", "--microbatches", "2"],
 }
-BOUND_S = 5.0  # every process of the job gone within this after the signal
+HANG_S = 600.0  # how long any wait goes on before it is a hang: the job gone after a signal (about a second here),
+#                a run to its end (seconds; minutes at a load of 30 on 2 cores)
 
 
 def _start(args, env):
@@ -43,7 +45,7 @@ def _steps_logged(metrics):
     return max([s for s in steps if isinstance(s, int)], default=0)
 
 
-def _wait_for_step(proc, metrics, step, timeout=120.0):
+def _wait_for_step(proc, metrics, step, timeout=HANG_S):
     deadline = time.monotonic() + timeout
     while _steps_logged(metrics) < step:
         assert proc.poll() is None, f"ended before step {step}: {proc.communicate()}"
@@ -67,8 +69,8 @@ def _signal_and_collect(proc, signum, *, group=False, then=None):
     (os.killpg if group else os.kill)(proc.pid, signum)
     if then is not None:  # (a second one of the same kind could merge with the first while pending)
         os.kill(proc.pid, then)
-    took = _gone_within(tree, BOUND_S)
-    out, err = proc.communicate(timeout=30)
+    took = _gone_within(tree, HANG_S)
+    out, err = proc.communicate(timeout=HANG_S)
     return took, out, err
 
 
@@ -84,37 +86,58 @@ def _checkpoint_steps(directory):
     return Checkpointer(directory).steps()
 
 
+def _end_record(metrics):
+    """The run's own record of how it ended: the metrics file's ``end`` event (its summary)."""
+    ends = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "end"]
+    assert len(ends) == 1, ends
+    return ends[0]
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bit_for_bit(cli_env, tmp_path, name):
+    """The agreed-step protocol, whatever the timing: each trainer rank proposes the first step after it knew of
+    the request that ends with a collective (with --log-every 1: the next one), the stop is the largest
+    proposal, no rank passes it, the checkpoint is at it, and the resumed run ends bit for bit like one that was
+    never stopped."""
     args = [*COMMON, *STRATEGIES[name]]
     whole = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--save-model", str(tmp_path / "w.pt")],
-                           env=cli_env, capture_output=True, text=True, timeout=300)
+                           env=cli_env, capture_output=True, text=True, timeout=HANG_S)
     assert whole.returncode == 0, whole.stderr
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = _start([*args, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)], cli_env)
-    at = random.Random().randint(3, STEPS // 3)
+    at = draw(f"sigterm[{name}]", 3, STEPS // 3)  # (the run has 80 steps left to be stopped in)
     _wait_for_step(proc, metrics, at)
-    logged = _steps_logged(metrics)  # the step in flight is at most one past this
     took, _, err = _signal_and_collect(proc, signal.SIGTERM)
+    print(f"{name}: signal after step {at} was logged; every process gone {took:.2f} s later")
     assert proc.returncode == 75, err
-    steps = _checkpoint_steps(ckpt)
-    stop = steps[-1]
-    assert logged <= stop <= logged + 3, f"{name}: signal after step {logged}, stopped after {stop}"
+    stopped = _end_record(metrics)["stopped"]
+    stop, seen, proposed = stopped["step"], stopped["seen"], stopped["proposed"]
+    print(f"{name}: request seen at steps {seen}, proposed {proposed}, stopped after {stop}")
+    assert len(seen) == len(proposed) >= 2 and min(seen) >= at, stopped  # no rank knew before the signal
+    assert proposed == [min(step + 1, STEPS) for step in seen] and stop == max(proposed) < STEPS, stopped
+    assert _steps_logged(metrics) == stop, stopped  # (a log point is a collective of every trainer rank)
+    assert _checkpoint_steps(ckpt)[-1] == stop
     assert f"stopped by SIGTERM after step {stop}" in err and err.count("\n") <= 3, err
     good = Checkpointer(ckpt).choose().good
     assert good is not None and good.step == stop and Checkpointer(ckpt).latest().name == f"step-{stop:08d}.pt"
     resumed = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--checkpoint-dir", str(ckpt),
                               "--resume", "--save-model", str(tmp_path / "r.pt")], env=cli_env, capture_output=True,
-                             text=True, timeout=300)
+                             text=True, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr
     assert _same(_model(tmp_path / "w.pt"), _model(tmp_path / "r.pt")), f"{name}: stopped after step {stop}"
-    assert took < BOUND_S
 
 
 @pytest.mark.parametrize("delay", [0.2, 1.5, 3.0])
 def test_sigterm_in_the_first_seconds_leaves_nothing_running_and_loses_nothing(cli_env, tmp_path, delay):
+    """``delay`` seconds after the command answers stop signals (before that, the Python interpreter itself
+    is starting: a signal then ends it as any program, with nothing started): while it imports, while its
+    workers start, or as they begin, depending on the machine; the outcome is the same in every case."""
     ckpt = tmp_path / "ck"
     proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt)], cli_env)
+    deadline = time.monotonic() + 60
+    while not catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
     time.sleep(delay)
     _, _, err = _signal_and_collect(proc, signal.SIGTERM)
     assert proc.returncode == 75, err
@@ -127,13 +150,13 @@ def test_sigkill_of_the_main_process_ends_every_worker_and_nothing_is_written_af
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = _start([*COMMON, *STRATEGIES["sync"], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
                    "--metrics-file", str(metrics)], cli_env)
-    _wait_for_step(proc, metrics, random.Random().randint(5, 40))
+    _wait_for_step(proc, metrics, draw("sigkill", 5, 40))
     tree = descendants(proc.pid)
     proc.kill()
-    proc.wait(timeout=30)
+    proc.wait(timeout=HANG_S)
     gone_at = time.time()  # the main process is gone (reaped)
-    _gone_within(tree, 3.0)
-    proc.communicate(timeout=30)
+    _gone_within(tree, HANG_S)
+    proc.communicate(timeout=HANG_S)
     late = [p.name for p in ckpt.iterdir() if p.stat().st_mtime > gone_at]
     assert not late, f"written after the main process was gone: {late}"
     good = Checkpointer(ckpt).choose().good
@@ -181,9 +204,9 @@ def test_a_signal_to_one_worker_stops_the_whole_job_in_order(cli_env, tmp_path):
     tree = descendants(proc.pid)
     (worker,) = [pid for pid in tree if worker_rank(pid) == 1]
     os.kill(worker, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 75, err
-    _gone_within(tree, 2.0)
+    _gone_within(tree, HANG_S)
     assert f"stopped by SIGTERM after step {_checkpoint_steps(ckpt)[-1]}" in err
 
 
@@ -195,11 +218,11 @@ def test_a_second_signal_to_one_worker_ends_it_at_once_and_the_job_with_it(cli_e
     (worker,) = [pid for pid in tree if worker_rank(pid) == 1]
     os.kill(worker, signal.SIGINT)  # (pending together, SIGINT is handed over first)
     os.kill(worker, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 1, err
     assert "SIGTERM again: stopping this process at once" in err
     assert "worker rank 1 exited with code 143" in err
-    _gone_within(tree, 2.0)
+    _gone_within(tree, HANG_S)
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -210,11 +233,12 @@ def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp
     _wait_for_step(proc, metrics, 1)
     tree = descendants(proc.pid)  # the forkserver and the resource tracker among them
     assert len(tree) >= 5, tree
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == (1 if fail else 0), err
     assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
 
 
+@pytest.mark.serial  # --heartbeat-timeout 2.5: alone under pytest -n (make test)
 def test_a_frozen_worker_ends_the_command_with_a_hang_report_and_no_process_left(cli_env, tmp_path):
     """A worker frozen after step 5 (SIGSTOP: a machine that stopped answering): the others name it and where it
     was, the report lands in the run directory (here the metrics file's), and when the command returns nothing
@@ -225,7 +249,7 @@ def test_a_frozen_worker_ends_the_command_with_a_hang_report_and_no_process_left
                    "--metrics-file", str(metrics)], env)
     _wait_for_step(proc, metrics, 1)
     tree = descendants(proc.pid)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 1, err
     assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
     assert f"hang report in {tmp_path / 'run' / 'hang-report.txt'}" in err, err

@@ -73,7 +73,7 @@ def test_registered_dataset_with_size_check():
 
 
 @pytest.mark.parametrize("spec, args, words", [
-    ("imagenet", None, "unknown dataset 'imagenet'; choose one of .*cifar10, digits, sentences, synthetic, text"),
+    ("imagenet", None, "unknown dataset 'imagenet'; choose one of .*cifar10, digits, hf, sentences, synthetic, text, .*tokens"),
     ("digit", None, "did you mean 'digits'"),
     ("synthetic:3x32x32", None, "positional values; use key=value"),
     ("synthetic:size=10", {"size": 20}, "size given both"),

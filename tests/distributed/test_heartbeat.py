@@ -23,6 +23,8 @@ from polytrain.distributed.rendezvous import StoreServer, connect_store, loopbac
 from polytrain.errors import PeerLostError, WorkerError
 from tests.helpers.procs import leftover_children
 
+pytestmark = pytest.mark.serial  # a heartbeat bound of 1.5-2.5 s: alone under pytest -n (make test)
+
 TIMEOUT = 2.5  # heartbeat bound in these tests (a shorter one risks a late beat on a loaded 2-core machine)
 LOST = 17  # the exit code a member uses when its heartbeat reports a loss
 

@@ -15,6 +15,8 @@ from polytrain.distributed.launch import launch
 from polytrain.errors import WorkerError
 from tests.helpers.procs import leftover_children
 
+pytestmark = pytest.mark.serial  # a heartbeat bound of seconds: alone under pytest -n (make test)
+
 HEARTBEAT = 1.5
 NAMES = ["worker rank 0", "worker rank 1", "helper rank 2"]
 

@@ -32,7 +32,9 @@ import torch
 import polytrain
 from tests.helpers.procs import alive, cmdline
 
-pytestmark = pytest.mark.slow  # two torchrun agents and their workers start per test (~20-40 s on 2 cores)
+# two torchrun agents and their workers start per test (~20-40 s on 2 cores); a lost machine named within a bound:
+# alone under pytest -n (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 #: the /24 the two ends of the link get; used only inside the namespaces this module creates
 SUBNET = ipaddress.ip_network("10.231.7.0/24")

@@ -1,6 +1,7 @@
 """Many ``polytrain`` command lines that fail before anything starts, run in one fresh Python process: the
 command's own ``main`` per line, its exit code, stdout and stderr as a separate ``python -m polytrain`` would
-give them, without paying for torch's import once per line (about 3 s each on 2 cores)."""
+give them, without paying for torch's import once per line (about 3 s each on 2 cores). A command that starts no
+worker at all (``checkpoint inspect``, ``checkpoint export``) runs in the test's own process: :func:`run_here`."""
 
 from __future__ import annotations
 
@@ -38,3 +39,16 @@ def run_many(env: dict[str, str], lines: list[list[str]], timeout: float = 300) 
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return [Result(*r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def run_here(capsys, *argv: str) -> Result:
+    """``polytrain ARGV`` through the command's ``main`` in this process, its output from ``capsys``."""
+    from polytrain.cli.main import main
+
+    capsys.readouterr()  # (what the test printed before is not the command's)
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return Result(code, out, err)

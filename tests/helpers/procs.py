@@ -103,3 +103,13 @@ def leftover_children(pid: int) -> list[int]:
     parent process, they exit with the parent, not with a job)."""
     return [p for p in alive(descendants(pid))
             if p != pid and not any(keep in cmdline(p) for keep in ("resource_tracker", "forkserver"))]
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next((line.split()[1] for line in fh if line.startswith("SigCgt:")), "0")
+    except OSError:
+        return False
+    return bool(int(mask, 16) >> (signum - 1) & 1)

@@ -22,6 +22,8 @@ from polytrain.errors import ConfigError
 from polytrain.netlab import NetLab, lab_namespaces, parse_rate, run_job, unavailable
 from tests.helpers.procs import alive, cmdline
 
+pytestmark = pytest.mark.serial  # rates and network namespaces: alone under pytest -n (make test)
+
 REASON = unavailable()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 

@@ -1,7 +1,8 @@
 """One run per --checkpoint-dir: the lock file polytrain.lock. Real runs: a second run on a directory in use is
 refused with one line naming the first; a launcher killed with SIGKILL leaves the lock free (its workers never
 hold it); a stale lock is taken over with one warning; `checkpoint inspect` names a live owner; what a killed
-writer left is removed when the lock is taken."""
+writer left is removed when the lock is taken. One endless run serves the tests that need a live owner (the last
+of them kills it); commands that start no worker run through the command's ``main`` in this process."""
 
 import errno
 import json
@@ -20,6 +21,7 @@ from polytrain.errors import ConfigError
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.dirlock import LOCK_NAME, DirLock, live_owner
 from polytrain.train.integrity import verify
+from tests.helpers.cli_batch import run_here
 from tests.helpers.procs import alive, descendants
 
 # a run that goes on until it is killed: 2 worker processes, a checkpoint every 20 steps
@@ -66,24 +68,25 @@ class Endless:
         self.proc.wait()
 
 
-@pytest.fixture
-def endless(cli_env, tmp_path):
-    runs = []
-
-    def start(directory):
-        runs.append(Endless(cli_env, directory, tmp_path / f"endless-{len(runs)}.log"))
-        runs[-1].wait_until_running()
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.kill()
+@pytest.fixture(scope="module")
+def endless(module_cli_env, tmp_path_factory):
+    """The endless run on its directory, holding the lock (the SIGKILL test, the last to use it, ends it)."""
+    where = tmp_path_factory.mktemp("endless")
+    run = Endless(module_cli_env, where / "ckpt", where / "endless.log")
+    run.wait_until_running()
+    yield run
+    run.kill()
 
 
-def test_a_second_run_on_a_directory_in_use_is_refused_with_one_line_naming_the_first(endless, cli_env, tmp_path):
-    directory = tmp_path / "ckpt"
-    first = endless(directory)
-    second = _polytrain(cli_env, "train", *SHORT, "--checkpoint-dir", str(directory))
+def _running(endless):
+    assert endless.proc.poll() is None and endless._owner_pid() == endless.proc.pid, endless.log.read_text()
+    return endless
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_with_one_line_naming_the_first(endless, capsys):
+    first = _running(endless)
+    directory = first.directory
+    second = run_here(capsys, "train", *SHORT, "--checkpoint-dir", str(directory))
     assert second.returncode == 2, second.stdout + second.stderr
     assert second.stdout == ""  # nothing started
     (line,) = second.stderr.splitlines()
@@ -97,10 +100,10 @@ def test_a_second_run_on_a_directory_in_use_is_refused_with_one_line_naming_the_
         DirLock(directory).acquire()
 
 
-def test_checkpoint_inspect_names_a_live_owner_without_taking_the_lock(endless, cli_env, tmp_path):
-    directory = tmp_path / "ckpt"
-    first = endless(directory)
-    shown = _polytrain(cli_env, "checkpoint", "inspect", str(directory))
+def test_checkpoint_inspect_names_a_live_owner_without_taking_the_lock(endless, capsys):
+    first = _running(endless)
+    directory = first.directory
+    shown = run_here(capsys, "checkpoint", "inspect", str(directory))
     assert shown.returncode == 0, shown.stderr
     head = shown.stdout.splitlines()[0]
     assert head.startswith(f"{directory}: in use by a live run (host {socket.gethostname()}, pid {first.proc.pid}, "
@@ -108,16 +111,11 @@ def test_checkpoint_inspect_names_a_live_owner_without_taking_the_lock(endless, 
     assert "python -m polytrain train --strategy sync" in head
     assert head.endswith("; it may write a newer checkpoint at any time")
     assert first.proc.poll() is None and first._owner_pid() == first.proc.pid
-    first.kill()
-    after = _polytrain(cli_env, "checkpoint", "inspect", str(directory))
-    assert after.returncode == 0, after.stderr
-    assert "in use" not in after.stdout
-    assert live_owner(directory) is None
 
 
-def test_a_launcher_killed_with_sigkill_leaves_the_lock_free_and_its_workers_never_held_it(endless, tmp_path):
-    directory = tmp_path / "ckpt"
-    first = endless(directory)
+def test_a_launcher_killed_with_sigkill_leaves_the_lock_free_and_its_workers_never_held_it(endless, capsys):
+    first = _running(endless)
+    directory = first.directory
     lock = str(directory / LOCK_NAME)
     holders = {pid for pid in first.processes if lock in _open_files(pid)}
     assert holders == {first.proc.pid}, f"processes {sorted(first.processes)}, holding the lock: {sorted(holders)}"
@@ -126,6 +124,10 @@ def test_a_launcher_killed_with_sigkill_leaves_the_lock_free_and_its_workers_nev
     with DirLock(directory) as taken:  # at once: no worker outlives the launcher holding the lock
         assert json.loads((directory / LOCK_NAME).read_text())["pid"] == os.getpid() == taken.record["pid"]
     assert (directory / LOCK_NAME).read_text() == ""  # released: cleared, not deleted
+    after = run_here(capsys, "checkpoint", "inspect", str(directory))
+    assert after.returncode == 0, after.stderr
+    assert "in use" not in after.stdout
+    assert live_owner(directory) is None
 
 
 def _open_files(pid):
@@ -184,10 +186,10 @@ def test_what_a_killed_writer_left_is_removed_when_the_lock_is_taken(tmp_path):
     assert verify(directory / "step-00000010.pt").verified
 
 
-def test_a_lock_file_that_cannot_be_written_is_one_line(cli_env, tmp_path):
+def test_a_lock_file_that_cannot_be_written_is_one_line(tmp_path, capsys):
     directory = tmp_path / "ckpt"
     (directory / LOCK_NAME).mkdir(parents=True)
-    done = _polytrain(cli_env, "train", *SHORT, "--checkpoint-dir", str(directory))
+    done = run_here(capsys, "train", *SHORT, "--checkpoint-dir", str(directory))
     assert done.returncode == 2
     assert done.stderr == (f"polytrain: error: --checkpoint-dir {directory}: cannot write its lock file "
                            f"{directory / LOCK_NAME} (Is a directory); remove it or give another --checkpoint-dir\n")

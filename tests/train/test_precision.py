@@ -19,8 +19,6 @@ import json
 import logging
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from polytrain.log import get_logger
 from polytrain.precision import Amp, Precision
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.trainer import Trainer
+from tests.helpers.cli_batch import run_many
 
 LM = dict(model="transformer_lm:layers=1,dim=32,heads=2", data="text:seq_len=32", batch_size=16, optimizer="adam",
           lr=0.01, progress="off", log_every=1, eval_every=0, seed=0, threads_per_worker=1)
@@ -214,7 +213,7 @@ def test_bf16_mixed_pipeline_sends_bfloat16_activations_and_follows_single(tmp_p
 
 # -- what is refused, and where ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
+REFUSED = [
     (["--precision", "8-bit"], "--precision: unknown value '8-bit'; accepted: 32-true, bf16-mixed, 16-mixed, bf16-true"),
     (["--strategy", "async", "--precision", "16-mixed"],
      "--precision 16-mixed needs a loss scaler, which --strategy async cannot apply (the parameter servers apply "
@@ -227,10 +226,19 @@ def test_bf16_mixed_pipeline_sends_bfloat16_activations_and_follows_single(tmp_p
     (["--precision", "bf16-mixed", "--initial-loss-scale", "1024"],
      "--initial-loss-scale is read by --precision 16-mixed only (this run has --precision bf16-mixed, which scales "
      "no loss); drop it or pass --precision 16-mixed"),
-])
-def test_precision_settings_that_cannot_work_are_one_line(cli_env, args, message):
-    proc = subprocess.run([sys.executable, "-m", "polytrain", "train", "--steps", "1", *args], env=cli_env,
-                          capture_output=True, text=True, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def refused(module_cli_env):
+    """Every line of REFUSED through the command's main, in one fresh process (tests/helpers/cli_batch.py)."""
+    results = run_many(module_cli_env, [["train", "--steps", "1", *args] for args, _ in REFUSED])
+    return {tuple(args): result for (args, _), result in zip(REFUSED, results)}
+
+
+@pytest.mark.parametrize("args, message", REFUSED)
+def test_precision_settings_that_cannot_work_are_one_line(refused, args, message):
+    proc = refused[tuple(args)]
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"polytrain: error: {message}"], proc.stderr
 

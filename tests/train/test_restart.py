@@ -4,7 +4,6 @@ settings a restart cannot work with."""
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 import polytrain
 from polytrain.errors import ConfigError, WorkerError
 from polytrain.train.faults import KILL_ENV
+from tests.helpers.seed import draw
 
 STEPS = 20
 BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=32, steps=STEPS, progress="off", log_every=2,
@@ -38,7 +38,7 @@ def _fit(tmp_path, name, settings, **more):
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterrupted(tmp_path, monkeypatch, name):
     settings = STRATEGIES[name]
-    step = random.Random().randint(3, STEPS - 2)  # any step: before the first checkpoint too
+    step = draw(f"restart[{name}]", 3, STEPS - 2)  # any step: before the first checkpoint too
     rank = 1  # a trainer rank
     _, whole = _fit(tmp_path, "whole", settings)
     monkeypatch.setenv(KILL_ENV, f"rank={rank},steps={step}")

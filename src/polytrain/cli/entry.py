@@ -1,39 +1,30 @@
-"""The ``polytrain`` command's entry point: stop signals are answered from its first moment.
+"""The ``polytrain`` command's entry point: stop signals are answered from its first moment
+(:mod:`polytrain.cli.starting`).
 
 Importing the command (torch and every component) takes a second or more. A stop signal (SIGTERM, SIGINT,
 SIGHUP, SIGUSR1) in that time ends the command with :data:`~polytrain.distributed.stop.EXIT_STOPPED` and one
-line, as a stop before training began does later: nothing had started, nothing is lost. Once imported, the
-command installs its own handlers where it starts work (``polytrain train``: :mod:`polytrain.train.restart`).
+line, as a stop before training began does later: nothing had started, nothing is lost. So it does while the
+command reads its arguments, until a command that answers stop signals itself installs its own handlers where
+it starts work (``polytrain train``: :mod:`polytrain.train.restart`); for any other command the signals' former
+handlers are back before it starts (:func:`~polytrain.cli.starting.starting_done`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
-_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
-
-
-def _stopped_while_starting(signum: int, frame: object) -> None:
-    sys.stderr.write(f"polytrain: stopped by {signal.Signals(signum).name} while starting; nothing was started, "
-                     "nothing is lost\n")
-    sys.stderr.flush()
-    os._exit(75)  # nothing to clean up yet: only imports have run
+from polytrain.cli.starting import answer_while_starting, starting_done
 
 
 def main() -> int:
-    saved = {}
-    for name in _SIGNALS:
-        if hasattr(signal, name):
-            sig = getattr(signal, name)
-            saved[sig] = signal.signal(sig, _stopped_while_starting)
+    answer_while_starting()
     try:
         from polytrain.cli.main import main as command
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
-    code = command()
+    except BaseException:
+        starting_done()
+        raise
+    code = command()  # (it calls starting_done() once its arguments are read)
     exit_now(code)
     return code  # (not reached)
 

@@ -1,8 +1,10 @@
-"""``polytrain generate``: sample text from a trained ``rnn_lm``/``transformer_lm`` (or any byte-level LM).
+"""``polytrain generate``: sample text from a trained ``rnn_lm``/``transformer_lm`` (or any language model).
 
 The weights come from ``--weights FILE`` (what ``train --save-model FILE`` wrote) or from the latest
-checkpoint in ``--checkpoint-dir DIR``, whose saved config also names the model and its arguments. The
-vocabulary and, for ``transformer_lm``, the number of positions are read from the weights themselves.
+checkpoint in ``--checkpoint-dir DIR``, whose saved config also names the model, its arguments and the
+tokenizer. The vocabulary and, for ``transformer_lm``, the number of positions are read from the weights
+themselves. Tokens are bytes unless ``--tokenizer`` (or the run's) names a tokenizer, which then encodes the
+prompt and decodes what is sampled.
 """
 
 from __future__ import annotations
@@ -13,16 +15,18 @@ import sys
 from typing import Any
 
 DESCRIPTION = """\
-Print text sampled from a trained byte-level language model: the prompt, then --tokens more bytes
-(decoded as UTF-8; a cut character shows as U+FFFD). Give the weights with --weights FILE (from
-'polytrain train --save-model FILE', plus --model and the --model-arg values it was trained with) or with
---checkpoint-dir DIR (its latest checkpoint; model and arguments come from the run's saved config)."""
+Print text sampled from a trained language model: the prompt, then --tokens more tokens, bytes (decoded as
+UTF-8; a cut character shows as U+FFFD) or those of --tokenizer. Give the weights with --weights FILE (from
+'polytrain train --save-model FILE', plus --model, the --model-arg values and the --tokenizer it was trained
+with) or with --checkpoint-dir DIR (its latest checkpoint; model, arguments and tokenizer come from the run's
+saved config)."""
 
 EXAMPLES = """\
 examples:
   polytrain train --strategy single --data text --save-model lm.pt --steps 2000
   polytrain generate --weights lm.pt --model transformer_lm --prompt "LOVE, n. " --tokens 300
   polytrain generate --checkpoint-dir runs/lm --temperature 0.5 --seed 3
+  polytrain generate --weights lm.pt --model transformer_lm --tokenizer text --prompt "WAR, n. "
 """
 
 
@@ -37,37 +41,52 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model argument, as given to train (repeatable)")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, start a new line)")
-    parser.add_argument("--tokens", type=int, default=200, metavar="N", help="bytes to generate (default: 200)")
+    parser.add_argument("--tokenizer", metavar="DIR|FILE", help="the tokenizer the model was trained with, as "
+                        "train's --tokenizer (default with --checkpoint-dir: the run's; else bytes)")
+    parser.add_argument("--tokens", type=int, default=200, metavar="N",
+                        help="tokens (bytes without a tokenizer) to generate (default: 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="softmax temperature, a finite number >= 0; 0 always takes the likeliest byte "
+                        help="softmax temperature, a finite number >= 0; 0 always takes the likeliest token "
                              "(default: 0.8)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from polytrain.data.tokenizer import load_tokenizer
     from polytrain.errors import ConfigError
-    from polytrain.models.sampling import sample_bytes
+    from polytrain.models.sampling import sample_bytes, sample_text
 
     if args.tokens < 0:
         raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ConfigError(f"--temperature must be a finite number >= 0 (0 always takes the likeliest byte), "
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 always takes the likeliest token), "
                           f"got {args.temperature}")
-    model = load_model(args)
-    prompt = args.prompt.encode("utf-8", errors="surrogateescape")  # bytes the shell passed that are not UTF-8
-    text = (prompt + sample_bytes(model, prompt, args.tokens, args.temperature, args.seed)).decode(
-        "utf-8", errors="replace")
+    state, saved = _read_weights(args)
+    name = args.tokenizer or saved.get("tokenizer")
+    tokenizer = load_tokenizer(name) if name else None
+    model = load_model(args, state, saved, tokenizer.vocab_size if tokenizer is not None else None)
+    if tokenizer is not None:
+        _check_vocabulary(model, tokenizer, name)
+        text = sample_text(model, tokenizer, args.prompt, args.tokens, args.temperature, args.seed)
+    else:
+        prompt = args.prompt.encode("utf-8", errors="surrogateescape")  # bytes the shell passed that are not UTF-8
+        text = (prompt + sample_bytes(model, prompt, args.tokens, args.temperature, args.seed)).decode(
+            "utf-8", errors="replace")
     sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
     return 0
 
 
-def load_model(args: argparse.Namespace):
-    """The model the arguments name, with its trained weights loaded."""
+def load_model(args: argparse.Namespace, state: dict[str, Any] | None = None, saved: dict[str, Any] | None = None,
+               vocab: int | None = None):
+    """The model the arguments name, with its trained weights loaded (``state``/``saved``: already read);
+    ``vocab``: the tokenizer's, for a model whose weights do not tell it."""
     from polytrain.errors import ConfigError
     from polytrain.specs import parse_assignments
 
-    state, saved = _read_weights(args)
+    if state is None:
+        state, saved = _read_weights(args)
+    saved = saved or {}
     spec = args.model or saved.get("model")
     if not spec:
         raise ConfigError("--model is needed with --weights: name the model the weights were trained as")
@@ -77,7 +96,7 @@ def load_model(args: argparse.Namespace):
         model_args = {**trained_with, **parse_assignments(args.model_arg)}
     except ValueError as exc:
         raise ConfigError(f"--model-arg: {exc}") from None
-    model = _build_language_model(spec, model_args, state, saved)
+    model = _build_language_model(spec, model_args, state, saved, vocab)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
@@ -87,14 +106,15 @@ def load_model(args: argparse.Namespace):
     return model
 
 
-def _build_language_model(spec: str, model_args: dict[str, Any], state: dict[str, Any], saved: dict[str, Any]):
-    """``spec`` built for byte ids (vocabulary and positions read from ``state``); one ConfigError line if
-    it is no language model."""
+def _build_language_model(spec: str, model_args: dict[str, Any], state: dict[str, Any], saved: dict[str, Any],
+                          vocab: int | None = None):
+    """``spec`` built for token ids (vocabulary and positions read from ``state``, else the tokenizer's
+    vocabulary, else bytes'); one ConfigError line if it is no language model."""
     from polytrain.errors import ConfigError
     from polytrain.models.lm import model_vocab_size, shape_from_state
     from polytrain.models.registry import build_model
 
-    shape = {"input_shape": (1,), "num_classes": 256, **shape_from_state(state)}
+    shape = {"input_shape": (1,), "num_classes": vocab or 256, **shape_from_state(state)}
     try:
         model = build_model(spec, model_args, **shape)
     except ConfigError:
@@ -104,6 +124,16 @@ def _build_language_model(spec: str, model_args: dict[str, Any], state: dict[str
     if model_vocab_size(model) is None:
         raise ConfigError(_not_a_language_model(spec, saved, "it has no token embedding"))
     return model
+
+
+def _check_vocabulary(model: Any, tokenizer: Any, name: str) -> None:
+    from polytrain.errors import ConfigError
+    from polytrain.models.lm import model_vocab_size
+
+    vocab = model_vocab_size(model)
+    if vocab is not None and vocab < tokenizer.vocab_size:
+        raise ConfigError(f"--tokenizer {name}: its vocabulary of {tokenizer.vocab_size} tokens is larger than the "
+                          f"model's {vocab}; give the tokenizer the model was trained with")
 
 
 def _load_error(exc: RuntimeError) -> str:

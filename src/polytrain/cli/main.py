@@ -16,7 +16,9 @@ from polytrain.cli import checkpoint as checkpoint_cmd
 from polytrain.cli import devices as devices_cmd
 from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
+from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
+from polytrain.cli.starting import starting_done
 from polytrain.distributed.processes import stop_helper_processes
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare_cmd.add_parser(sub)
     advise_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    tokenize_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
     return parser
@@ -52,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = None
+    try:
+        args = parser.parse_args(argv)
+    finally:  # a command that answers stop signals itself takes them over from the entry point's handlers
+        if not getattr(args, "answers_stop_signals", False):
+            starting_done()
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
@@ -74,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141  # 128 + SIGPIPE, as a shell reports a command whose output pipe closed
     finally:
+        starting_done()
         stop_helper_processes()
 
 

@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved settings as TOML (a valid --config file) and exit")
     add_settings(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, answers_stop_signals=True)  # (from train/restart.py's StopSignal on)
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +127,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
             f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
+            + (f"\n  packed documents: {summary['packed_efficiency']:.1%} of the token positions are real tokens"
+               if summary.get("packed_efficiency") is not None else "")
             + _restarts_line(summary) + _lost_line(summary) + _membership_line(summary))
 
 

@@ -42,6 +42,9 @@ class DataBundle:
     seq_len: int | None = None
     #: batches of examples of similar length, sorted within windows of this many global batches (None: off)
     bucket_window: int | None = None
+    #: packed documents (``--pack``): the token that ends each document, after which the model's position ids
+    #: restart (None: not packed)
+    document_end: int | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -50,9 +53,13 @@ class DataBundle:
 
     def describe(self) -> str:
         test = len(self.test) if self.test is not None else 0
+        if self.task == "lm" and not hasattr(self.train, "__len__"):  # a stream
+            return (f"{self.name}: {self.train.describe()}, vocabulary {self.vocab_size}; {test} test sequences")
         if self.task == "lm":
+            packed = getattr(self.train, "efficiency", None) if self.document_end is not None else None
             return (f"{self.name}: {len(self.train)} train / {test} test sequences of up to {self.seq_len} tokens, "
-                    f"vocabulary {self.vocab_size}")
+                    f"vocabulary {self.vocab_size}" +
+                    (f"; documents packed, {packed():.1%} of the positions real tokens" if packed else ""))
         shape = "x".join(map(str, self.input_shape))
         return f"{self.name}: {len(self.train)} train / {test} test examples, input {shape}, {self.num_classes} classes"
 

@@ -38,6 +38,8 @@ class Batch:
     global_examples: int | None = None
     #: the dataset indices of this rank's examples (what ``--log-example-ids`` records)
     indices: torch.Tensor | None = None
+    #: the epoch its examples belong to, where the plan cannot tell from the step (a stream's)
+    epoch: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.step, self.inputs, self.targets))

@@ -1,5 +1,5 @@
-"""Datasets by name (``digits``, ``synthetic``, ``cifar10:DIR``, ``text[:FILE]``, ``sentences:FILE``) plus user
-factories ``package.module:factory``.
+"""Datasets by name (``digits``, ``synthetic``, ``cifar10:DIR``, ``text[:FILE]``, ``sentences:FILE``,
+``tokens:FILE.bin``, ``hf:PATH``) plus user factories ``package.module:factory``.
 
 A user factory returns a :class:`DataBundle`, or a ``(train, test)`` pair of map-style
 ``torch.utils.data.Dataset``s (``test`` may be None) whose items are ``(input, target)``; polytrain then
@@ -26,6 +26,8 @@ from polytrain.data.digits import DIGITS_SIZE, TEST_SIZE, digits
 from polytrain.data.sentences import check_sentences, sentences
 from polytrain.data.synthetic import check_synthetic, synthetic
 from polytrain.data.text import check_text, text
+from polytrain.data.hf_data import check_hf, hf
+from polytrain.data.token_file import check_tokens, tokens
 from polytrain.errors import ConfigError, DataError
 from polytrain.specs import call_with_accepted, is_import_path, load_factory, parse_spec
 
@@ -43,6 +45,9 @@ class DatasetEntry:
     build: Callable[..., Any]
     check: Callable[..., int | None] | None = None
     positional: str | None = None
+    #: building it costs about what checking it does (memory-mapped data): it is built before launch, so
+    #: that the model can be checked against it there
+    mapped: bool = False
 
 
 _DATASETS: dict[str, DatasetEntry] = {
@@ -51,6 +56,8 @@ _DATASETS: dict[str, DatasetEntry] = {
     "cifar10": DatasetEntry(cifar10, check_cifar10, positional="directory"),
     "text": DatasetEntry(text, check_text, positional="file"),
     "sentences": DatasetEntry(sentences, check_sentences, positional="file"),
+    "tokens": DatasetEntry(tokens, check_tokens, positional="file", mapped=True),
+    "hf": DatasetEntry(hf, check_hf, positional="path", mapped=True),
 }
 
 
@@ -92,17 +99,45 @@ def _resolve(spec: str, args: dict[str, Any] | None) -> tuple[DatasetEntry, dict
     return entry, {**kwargs, **(args or {})}
 
 
-def check_data(spec: str, args: dict[str, Any] | None = None) -> int | None:
+#: the data settings of their own flags that a dataset is given when set, and must then accept
+_SETTINGS = {
+    "tokenizer": "has no text to tokenize; leave --tokenizer out, or use language-model text: text, sentences, "
+                 "tokens, hf",
+    "pack": "has no documents to pack; leave --pack out, or use documents: hf, tokens",
+}
+
+
+def _settings(spec: str, entry: DatasetEntry, kwargs: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """``kwargs`` with the data settings that are set (``--tokenizer``, ``--pack``); one ConfigError line for
+    a dataset that does not take one."""
+    out = dict(kwargs)
+    for key, value in given.items():
+        if not value:
+            continue
+        if key in out:
+            raise ConfigError(f"--data: {key} given both as --{key} and in '{spec}' or --data-arg")
+        if not _accepts(entry.build, key):
+            raise ConfigError(f"--{key}: --data {spec} {_SETTINGS[key]}")
+        out[key] = value
+    return out
+
+
+def check_data(spec: str, args: dict[str, Any] | None = None, *, tokenizer: str | None = None,
+               pack: bool = False) -> int | None:
     """Validate a data spec without loading the data; the number of training examples if known."""
     entry, kwargs = _resolve(spec, args)
+    kwargs = _settings(spec, entry, kwargs, tokenizer=tokenizer, pack=pack)
     if entry.check is None:
         return None
     return call_with_accepted(entry.check, f"--data {spec}", **kwargs)
 
 
-def build_data(spec: str, args: dict[str, Any] | None = None, *, seed: int = 0) -> DataBundle:
-    """Load the dataset ``spec`` names; ``seed`` is the run's seed (for random augmentation only)."""
+def build_data(spec: str, args: dict[str, Any] | None = None, *, seed: int = 0, tokenizer: str | None = None,
+               pack: bool = False) -> DataBundle:
+    """Load the dataset ``spec`` names; ``seed`` is the run's seed (for random augmentation only);
+    ``tokenizer`` and ``pack`` are ``--tokenizer`` and ``--pack``, given to datasets that take them."""
     entry, kwargs = _resolve(spec, args)
+    kwargs = _settings(spec, entry, kwargs, tokenizer=tokenizer, pack=pack)
     hints = {k: kwargs.pop(k) for k in ("num_classes", "task") if k in kwargs and not _accepts(entry.build, k)}
     made = call_with_accepted(entry.build, f"--data {spec}", _run_seed=seed, **kwargs)
     if isinstance(made, DataBundle):
@@ -111,6 +146,23 @@ def build_data(spec: str, args: dict[str, Any] | None = None, *, seed: int = 0) 
         return bundle_from_datasets(spec, made[0], made[1], **hints)
     raise DataError(f"--data {spec}: the factory returned {type(made).__name__}; return a DataBundle or a "
                     "(train, test) pair of torch.utils.data.Dataset")
+
+
+def data_of(config: Any) -> DataBundle:
+    """The dataset of a run's config (its data section and seed)."""
+    data = config.data
+    return build_data(data.data, data.data_args, seed=config.train.seed, tokenizer=data.tokenizer, pack=data.pack)
+
+
+def check_data_of(config: Any) -> tuple[int | None, DataBundle | None]:
+    """:func:`check_data` for a run's config: the number of training examples if known, and the dataset
+    itself where building it costs no more than checking it (memory-mapped data; else None)."""
+    data = config.data
+    entry, _ = _resolve(data.data, data.data_args)
+    if entry.mapped:
+        bundle = data_of(config)
+        return (len(bundle.train) if hasattr(bundle.train, "__len__") else None), bundle
+    return check_data(data.data, data.data_args, tokenizer=data.tokenizer, pack=data.pack), None
 
 
 def _accepts(fn: Callable, name: str) -> bool:

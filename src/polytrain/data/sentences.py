@@ -1,9 +1,10 @@
-"""``sentences:FILE``: one sentence a line, each its own sequence of byte tokens (the PTB setting).
+"""``sentences:FILE``: one sentence a line, each its own sequence of tokens (the PTB setting).
 
 Sentence ``s`` becomes the tokens ``\\n s \\n``: input ``\\n s``, target ``s \\n`` (the input shifted by one),
 so every byte of the sentence is predicted and so is its end; ``len(s) + 1`` real target tokens. The
 newline doubles as begin- and end-of-sentence, which byte tokens have no other room for. Blank lines are
-skipped. A batch is padded to its longest sentence (targets with IGNORE_INDEX, inputs with INPUT_PAD, see
+skipped. With ``--tokenizer`` a sentence is its tokenizer's ids and the tokenizer's end-of-document token
+takes the newline's place. A batch is padded to its longest sentence (targets with IGNORE_INDEX, inputs with INPUT_PAD, see
 :mod:`polytrain.data.tokens`); ``count_units`` reads the stored lengths, so the real-token count of any
 set of examples (a whole global batch, say) costs one indexed sum and no communication.
 
@@ -13,25 +14,40 @@ Example: ``sentences:ptb.train.txt,test_file=ptb.valid.txt``.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch.utils.data import Dataset
 
 from polytrain.data.base import DataBundle
+from polytrain.data.tokenizer import Tokenizer, cached_tokenizer
 from polytrain.data.tokens import IGNORE_INDEX, INPUT_PAD, VOCAB_SIZE, check_fraction, read_utf8
 from polytrain.errors import DataError
 
 TEST_FRACTION = 0.1
+NEWLINE = 10
 
 
 class Sentences(Dataset):
-    """Sentences of different lengths, stored as one token stream plus where each starts and its length."""
+    """Sentences of different lengths, stored as one token stream plus where each starts and its length.
 
-    def __init__(self, lines: list[bytes]):
+    ``lines`` are byte strings (byte tokens, ``separator`` the newline) or lists of token ids (a tokenizer's,
+    ``separator`` its end-of-document id); either way the stream is ``separator s0 separator s1 ...``."""
+
+    def __init__(self, lines: Sequence[bytes] | Sequence[Sequence[int]], separator: int = NEWLINE):
         if not lines:
             raise ValueError("no sentences")
-        # stream = \n s0 \n s1 \n ... : sentence i's window starts at its leading newline
-        self.stream = torch.frombuffer(bytearray(b"\n" + b"\n".join(lines) + b"\n"), dtype=torch.uint8)
-        #: real target tokens of each sentence (its bytes and its end)
+        # stream = sep s0 sep s1 sep ... : sentence i's window starts at its leading separator
+        if isinstance(lines[0], bytes):
+            sep = bytes([separator])
+            self.stream = torch.frombuffer(bytearray(sep + sep.join(lines) + sep), dtype=torch.uint8)
+        else:
+            flat = [separator]
+            for ids in lines:
+                flat += ids
+                flat.append(separator)
+            self.stream = torch.tensor(flat, dtype=torch.int32)
+        #: real target tokens of each sentence (its tokens and its end)
         self.lengths = torch.tensor([len(line) + 1 for line in lines], dtype=torch.int64)
         self.starts = torch.cumsum(self.lengths, 0) - self.lengths
 
@@ -73,15 +89,22 @@ def read_sentences(path: str) -> list[bytes]:
     return kept
 
 
-def _splits(file: str, test_file: str | None, test_fraction: float) -> tuple[Sentences, Sentences]:
+def _sentences(lines: list[bytes], tokenizer: Tokenizer | None) -> Sentences:
+    if tokenizer is None:
+        return Sentences(lines)
+    return Sentences(tokenizer.encode_batch([line.decode("utf-8") for line in lines]), tokenizer.require_eos())
+
+
+def _splits(file: str, test_file: str | None, test_fraction: float, tokenizer: Tokenizer | None = None
+            ) -> tuple[Sentences, Sentences]:
     lines = read_sentences(file)
     if test_file is not None:
-        return Sentences(lines), Sentences(read_sentences(test_file))
+        return _sentences(lines, tokenizer), _sentences(read_sentences(test_file), tokenizer)
     cut = int(len(lines) * (1 - check_fraction(test_fraction, "sentences")))
     if not 0 < cut < len(lines):
         raise DataError(f"sentences: {file} has {len(lines)} sentence(s), too few to keep {test_fraction} of "
                         "them for testing; add sentences or give test_file=FILE")
-    return Sentences(lines[:cut]), Sentences(lines[cut:])
+    return _sentences(lines[:cut], tokenizer), _sentences(lines[cut:], tokenizer)
 
 
 def _file(file: str | None) -> str:
@@ -91,21 +114,25 @@ def _file(file: str | None) -> str:
 
 
 def check_sentences(file: str | None = None, test_file: str | None = None,
-                    test_fraction: float = TEST_FRACTION, bucket_window: int | None = None) -> int:
+                    test_fraction: float = TEST_FRACTION, bucket_window: int | None = None,
+                    tokenizer: str | None = None) -> int:
     """Validate the file(s) (exist, not empty, UTF-8) and the window; the number of training sentences."""
     _check_window(bucket_window)
-    return len(_splits(_file(file), test_file, test_fraction)[0])
+    return len(_splits(_file(file), test_file, test_fraction, cached_tokenizer(tokenizer))[0])
 
 
 def sentences(file: str | None = None, test_file: str | None = None, test_fraction: float = TEST_FRACTION,
-              bucket_window: int | None = None) -> DataBundle:
+              bucket_window: int | None = None, tokenizer: str | None = None) -> DataBundle:
     """``bucket_window=W``: batches of sentences of similar length, sorted within windows of W global batches
-    (:mod:`polytrain.data.buckets`: less padding; every sentence still once an epoch). Off by default."""
+    (:mod:`polytrain.data.buckets`: less padding; every sentence still once an epoch). Off by default.
+    ``tokenizer`` (``--tokenizer``): each sentence its tokenizer's ids, ending with its end-of-document token."""
     _check_window(bucket_window)
-    train, test = _splits(_file(file), test_file, test_fraction)
+    encoder = cached_tokenizer(tokenizer)
+    train, test = _splits(_file(file), test_file, test_fraction, encoder)
     longest = max(train.max_len, test.max_len)
+    vocab = VOCAB_SIZE if encoder is None else encoder.vocab_size
     return DataBundle(name=f"sentences:{file}", train=train, test=test, input_shape=(longest,),
-                      num_classes=VOCAB_SIZE, task="lm", default_model="rnn_lm", vocab_size=VOCAB_SIZE,
+                      num_classes=vocab, task="lm", default_model="rnn_lm", vocab_size=vocab,
                       seq_len=longest, bucket_window=bucket_window)
 
 

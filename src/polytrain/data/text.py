@@ -1,10 +1,12 @@
-"""``text`` and ``text:FILE``: a language model's fixed-length windows over one stream of byte tokens.
+"""``text`` and ``text:FILE``: a language model's fixed-length windows over one stream of tokens.
 
 ``text`` is the English text shipped in the package: Ambrose Bierce, *The Devil's Dictionary* (1911),
 public domain, about 380 KB (``tools/export_text.py`` wrote ``devils_dictionary.txt.gz`` once from Debian's
 ``dict-devil`` package). ``text:FILE`` reads your own UTF-8 file the same way.
 
-The bytes are split once, not shuffled: the first ``1 - test_fraction`` for training, the rest for testing,
+The tokens are the file's bytes, or with ``--tokenizer`` (:mod:`polytrain.data.tokenizer`) the ids of the whole
+text encoded at once, exactly as the tokenizer itself encodes it.
+The tokens are split once, not shuffled: the first ``1 - test_fraction`` for training, the rest for testing,
 so no test window overlaps a training one. Example ``i`` of a split is the ``seq_len + 1`` tokens from
 ``i * stride``; its input is the first ``seq_len`` and its target the last ``seq_len`` (the input shifted by
 one: each position predicts the next byte). Every target token is real, so nothing is padded.
@@ -17,46 +19,15 @@ import gzip
 from importlib import resources
 
 import torch
-from torch.utils.data import Dataset
 
 from polytrain.data.base import DataBundle
+from polytrain.data.spans import TokenWindows
+from polytrain.data.tokenizer import Tokenizer, cached_tokenizer
 from polytrain.data.tokens import VOCAB_SIZE, check_fraction, read_utf8
 from polytrain.errors import DataError
 
 SHIPPED = "devils_dictionary.txt.gz"
 TEST_FRACTION = 0.1
-
-
-class TokenWindows(Dataset):
-    """Windows of ``seq_len + 1`` tokens every ``stride`` tokens of ``tokens`` (a uint8 tensor)."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int):
-        if len(tokens) < seq_len + 1:
-            raise ValueError(f"{len(tokens)} tokens hold no window of seq_len {seq_len} + 1")
-        self.tokens, self.seq_len, self.stride = tokens, seq_len, stride
-        self._offsets = torch.arange(seq_len + 1)
-        self._count = (len(tokens) - seq_len - 1) // stride + 1
-
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def max_token_id(self) -> int:
-        return int(self.tokens.max())
-
-    def get_batch(self, indices: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both int64 of shape (len(indices), seq_len); targets = inputs shifted by one."""
-        starts = indices.to(torch.int64).unsqueeze(1) * self.stride
-        windows = self.tokens[starts + self._offsets].to(torch.int64)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-
-    def count_units(self, indices: torch.Tensor) -> int:
-        """Real target tokens of these examples: every window holds ``seq_len``."""
-        return len(indices) * self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.get_batch(torch.tensor([index]))
-        return x[0], y[0]
 
 
 def shipped_text() -> bytes:
@@ -78,30 +49,36 @@ def _check_args(seq_len: int, stride: int | None, test_fraction: float) -> int:
     return stride
 
 
-def _splits(file: str | None, seq_len: int, stride: int, test_fraction: float
+def _splits(file: str | None, seq_len: int, stride: int, test_fraction: float, tokenizer: Tokenizer | None
             ) -> tuple[TokenWindows, TokenWindows]:
     data = shipped_text() if file is None else read_utf8(file, "text")
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if tokenizer is None:
+        tokens, unit = torch.frombuffer(bytearray(data), dtype=torch.uint8), "bytes"
+    else:
+        tokens, unit = torch.tensor(tokenizer.encode(data.decode("utf-8")), dtype=torch.int32), "tokens"
     cut = int(len(tokens) * (1 - test_fraction))
     source = "the packaged text" if file is None else file
     if min(cut, len(tokens) - cut) < seq_len + 1:
-        raise DataError(f"text: {source} has {len(tokens)} bytes, too few for train and test windows of "
+        raise DataError(f"text: {source} has {len(tokens)} {unit}, too few for train and test windows of "
                         f"seq_len {seq_len}; use a smaller seq_len or a longer file")
     return TokenWindows(tokens[:cut], seq_len, stride), TokenWindows(tokens[cut:], seq_len, stride)
 
 
 def check_text(file: str | None = None, seq_len: int = 128, stride: int | None = None,
-               test_fraction: float = TEST_FRACTION) -> int:
+               test_fraction: float = TEST_FRACTION, tokenizer: str | None = None) -> int:
     """Validate arguments and file (exists, not empty, UTF-8, long enough); the number of training windows."""
     stride = _check_args(seq_len, stride, test_fraction)
-    return len(_splits(file, seq_len, stride, test_fraction)[0])
+    return len(_splits(file, seq_len, stride, test_fraction, cached_tokenizer(tokenizer))[0])
 
 
 def text(file: str | None = None, seq_len: int = 128, stride: int | None = None,
-         test_fraction: float = TEST_FRACTION) -> DataBundle:
-    """Windows of ``seq_len`` byte tokens (every ``stride`` bytes, default ``seq_len``: no overlap)."""
+         test_fraction: float = TEST_FRACTION, tokenizer: str | None = None) -> DataBundle:
+    """Windows of ``seq_len`` tokens (every ``stride`` tokens, default ``seq_len``: no overlap); bytes unless
+    ``tokenizer`` (``--tokenizer``) names one."""
     stride = _check_args(seq_len, stride, test_fraction)
-    train, test = _splits(file, seq_len, stride, test_fraction)
+    encoder = cached_tokenizer(tokenizer)
+    train, test = _splits(file, seq_len, stride, test_fraction, encoder)
+    vocab = VOCAB_SIZE if encoder is None else encoder.vocab_size
     return DataBundle(name="text" if file is None else f"text:{file}", train=train, test=test,
-                      input_shape=(seq_len,), num_classes=VOCAB_SIZE, task="lm", default_model="transformer_lm",
-                      vocab_size=VOCAB_SIZE, seq_len=seq_len)
+                      input_shape=(seq_len,), num_classes=vocab, task="lm", default_model="transformer_lm",
+                      vocab_size=vocab, seq_len=seq_len)

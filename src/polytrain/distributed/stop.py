@@ -288,6 +288,9 @@ class StopAgreement:
         self._store: Any = None
         self.proposal: int | None = None
         self.target: int | None = None
+        #: once agreed, each trainer rank's step boundary when it first knew of the request, and its proposal
+        self.seen: list[int] | None = None
+        self.proposed: list[int] | None = None
 
     def stop_step(self, done: int, collective: Callable[[int], bool], last: int) -> int | None:
         """Called at every step boundary (``done`` steps done) before the next step: the step to stop after,
@@ -297,17 +300,25 @@ class StopAgreement:
             return self.target
         if self.size == 1:
             self.target = done
+            self.seen, self.proposed = [done], [done]
             return done
         if self.proposal is None:
             self.proposal = next((b for b in range(done + 1, last) if collective(b)), last)
-            self._client().set(self._key(self.rank), str(self.proposal))
+            self._client().set(self._key(self.rank), f"{self.proposal} {done}")  # the proposal, where it was seen
         if done >= self.proposal and collective(done):
             keys = [self._key(rank) for rank in range(self.size)]
             if self._client().check(keys):
-                self.target = max(int(value) for value in self._client().multi_get(keys))
+                values = [value.split() for value in self._client().multi_get(keys)]
+                self.proposed, self.seen = [int(p) for p, _ in values], [int(d) for _, d in values]
+                self.target = max(self.proposed)
                 if self.target < done:  # a strategy that called a step collective which is not
                     raise RuntimeError(f"stop step {self.target} agreed while this rank is already at step {done}")
         return self.target
+
+    def record(self) -> dict[str, Any]:
+        """Once agreed, how: each trainer rank's step boundary when it knew of the request (``seen``) and the
+        step it proposed (``proposed``: the first one after ``seen`` that ends with a collective)."""
+        return {"seen": self.seen, "proposed": self.proposed}
 
     def _key(self, rank: int) -> str:
         return self.stop._key("at", rank)

@@ -53,6 +53,27 @@ def check_lm_compat(bundle: DataBundle, model: nn.Module, model_name: str = "the
                           f"model's seq_len {limit}; use --model-arg seq_len={bundle.seq_len} or shorter sequences")
 
 
+def check_lm_model(bundle: DataBundle, config: object) -> None:
+    """Before launch: the run's model, built on the meta device (nothing allocated) for ``bundle``'s shape,
+    checked against the data (:func:`check_lm_compat`) and, for packed documents, for taking position ids.
+    A factory that cannot be built so is left to the workers, which check the same."""
+    import torch
+
+    from polytrain.models.registry import build_model
+    from polytrain.tasks import packed_task
+
+    name = config.model.model if config.model.model != "auto" else bundle.default_model
+    try:
+        with torch.device("meta"):
+            model = build_model(name, config.model.model_args, input_shape=bundle.input_shape,
+                                num_classes=bundle.num_outputs)
+    except Exception:  # noqa: BLE001 - a factory that needs real memory or data: the workers check it
+        return
+    check_lm_compat(bundle, model, name)
+    if bundle.document_end is not None:
+        packed_task(bundle.document_end, model, name)
+
+
 def shape_from_state(state: dict[str, object]) -> dict[str, object]:
     """``input_shape``/``num_classes`` to rebuild ``rnn_lm``/``transformer_lm`` from a saved state_dict: the
     vocabulary from the token embedding's rows, the sequence length from the position embedding's."""

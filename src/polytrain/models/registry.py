@@ -20,6 +20,7 @@ from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
 from polytrain.models.rnn_lm import rnn_lm
 from polytrain.models.transformer_lm import transformer_lm
+from polytrain.weights.hf import hf_factory, is_hf_spec
 from polytrain.specs import call_with_accepted, check_accepted, is_import_path, load_factory, parse_spec
 
 ModelFactory = Callable[..., nn.Module]
@@ -42,6 +43,8 @@ def available_models() -> list[str]:
 
 def resolve_model_factory(spec: str) -> tuple[ModelFactory, dict[str, Any]]:
     """The factory a model spec names and the arguments written in the spec itself."""
+    if is_hf_spec(spec):
+        return hf_factory(spec), {}
     if spec in _MODELS or (":" in spec and spec.split(":", 1)[0] in _MODELS):
         parsed = parse_spec(spec, what="--model")
         if parsed.args:
@@ -100,6 +103,12 @@ def build_model(spec: str, args: dict[str, Any] | None = None, *, input_shape: t
 @dataclass
 class ModelConfig:
     model: str = option("auto", "model: auto (the dataset's suggestion) | cifar_cnn | mlp | digits_cnn | rnn_lm | "
-                        "transformer_lm | package.module:factory; arguments as mlp:hidden=64x32", metavar="NAME")
+                        "transformer_lm | package.module:factory | hf:DIR (a Hugging Face model directory: its "
+                        "config.json, and its weights when it has them); arguments as mlp:hidden=64x32",
+                        metavar="NAME")
     model_args: dict[str, Any] = option({}, "extra model argument (repeatable)", flag="--model-arg",
                                         metavar="KEY=VALUE", repeat=True)
+    init_from: str | None = option(None, "start from these weights: a Hugging Face model directory (config.json "
+                                         "and *.safetensors), a polytrain --checkpoint-dir (its newest good "
+                                         "checkpoint) or a state_dict file (.pt, .safetensors); each rank reads only "
+                                         "the tensors and rows it holds", metavar="PATH")

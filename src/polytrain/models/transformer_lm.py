@@ -9,6 +9,10 @@ blocks.0=cuda:0,blocks.2=cuda:1``); ``forward`` is just embed → each block →
 The default (4 layers, width 128, 4 heads, 128 positions, ~0.9 M parameters) trains on two CPU cores.
 ``seq_len`` (the positions) defaults to the data's sequence length. Attention is causal
 (``is_causal=True``), so padding after a sequence's real tokens never reaches them.
+
+Packed documents (``--pack``): given ``position_ids`` (batch, time) that restart at 0 where each document
+begins (Hugging Face's packed format), the model embeds those positions and attends through a block-diagonal
+causal mask, so each document is computed exactly as it would be alone.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ class Embed(nn.Module):
         self.positions = nn.Embedding(seq_len, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.positions.num_embeddings:
             raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len "
                              f"{self.positions.num_embeddings}")
-        return self.drop(self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device)))
+        at = torch.arange(length, device=tokens.device) if position_ids is None else position_ids
+        return self.drop(self.tokens(tokens) + self.positions(at))
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,13 +51,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (batch, 1, time, time), True where a position may attend: a packed batch's block-diagonal
+        causal mask (None: plain causal attention)."""
         batch, time, _ = x.shape
         qkv = self.qkv(x)
         width = qkv.shape[-1] // 3  # q, k, v of this rank's heads (all of them, unless split by --tp)
         q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in qkv.split(width, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(batch, time, width))
 
 
@@ -64,8 +71,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -111,11 +118,24 @@ class TransformerLM(nn.Module):
             for proj in (unit.attn.proj, unit.mlp[2]):
                 nn.init.normal_(proj.weight, std=_INIT_STD / math.sqrt(2 * len(self.blocks)))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens, position_ids)
+        mask = None if position_ids is None else document_mask(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.head(x)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask (batch, 1, time, time) of packed documents: a position attends to the
+    positions at or before it in its own document, a document beginning wherever the position ids do not
+    go on by one (as Hugging Face's ``find_packed_sequence_indices`` reads them)."""
+    steps = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
+    document = (steps != 1).cumsum(dim=-1)
+    same = document.unsqueeze(-1) == document.unsqueeze(-2)
+    time = position_ids.shape[-1]
+    causal = torch.ones(time, time, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)
 
 
 def _init(module: nn.Module) -> None:

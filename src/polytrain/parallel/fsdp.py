@@ -31,7 +31,8 @@ from polytrain.options import option, register_section
 from polytrain.precision import Amp
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
 from polytrain.log import get_logger
-from polytrain.models.deferred import describe_whole_build, is_deferred, materialize, materialize_all
+from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
+                                       weights_of)
 from polytrain.models.parts import units
 
 
@@ -82,7 +83,9 @@ class FullyShardedDataParallel(Strategy):
             if any(p.requires_grad for p in unit.parameters()):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
 
-        if is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
+        if is_deferred(model) and weights_of(model) is not None:  # sharded on meta: each rank reads its rows
+            materialize(model, device, before=shard)
+        elif is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
             materialize(model, device, then=shard)
         else:
             if self.topology.is_main:

@@ -325,7 +325,7 @@ def in_flight(schedule: str, ranks: int, microbatches: int, stage_bytes: list[in
 def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     """Each rank's memory for ``config`` laid out as ``layout``; ``skipped`` (with why) where the data or the
     model cannot be built without training (a factory that cannot build on the meta device)."""
-    from polytrain.data.registry import build_data
+    from polytrain.data.registry import data_of
     from polytrain.devices.spec import QUIET, resolve_device
     from polytrain.errors import PolytrainError
     from polytrain.models.registry import build_model
@@ -338,7 +338,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     strategy = layout.strategy
     limit = _limit(config)
     try:
-        data = build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+        data = data_of(config)
     except PolytrainError as exc:
         return MemoryEstimate(strategy, limit=limit, skipped=f"the data could not be read: {exc}")
     name = data.default_model if config.model.model == "auto" else config.model.model

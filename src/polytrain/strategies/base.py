@@ -185,7 +185,8 @@ class Strategy:
         assert self.model is not None
         device = self.topology.device
         with self.amp.autocast():
-            score = self.recipe.task.score(self.model(self.amp.inputs(inputs)), targets)
+            task = self.recipe.task
+            score = task.score(self.model(self.amp.inputs(inputs), **task.model_kwargs(inputs)), targets)
         return torch.stack([v.to(device).double() for v in score])
 
     def finish(self) -> None:

@@ -107,13 +107,13 @@ _FLOAT32 = Amp()  # 32-true: no autocast, no cast, no scale
 
 def _task_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The task's mean loss on the model's outputs for one micro-batch, and the units it averages over."""
-    return task.loss(model(x), y), task.units(y)
+    return task.loss(model(x, **task.model_kwargs(x)), y), task.units(y)
 
 
 def _model_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The model's own mean loss on one micro-batch, and the units it averages over."""
     labels = task.model_labels(x, y)
-    return model_loss_of(model(x, labels=labels)), task.model_units(labels)
+    return model_loss_of(model(x, labels=labels, **task.model_kwargs(x))), task.model_units(labels)
 
 
 def _model_global_units(task: Any, batch: Batch, replicas: int) -> int:

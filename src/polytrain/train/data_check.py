@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from polytrain.data.base import DataBundle
 from polytrain.data.registry import example_pair
+from polytrain.data.stream import TokenStream
 from polytrain.data.tokens import IGNORE_INDEX
 from polytrain.errors import ConfigError, DataError
 from polytrain.tasks import get_task, outputs_of
@@ -52,6 +53,8 @@ def check_user_data(bundle: DataBundle, what: str, model: nn.Module | None = Non
     model is ``model``, else ``model_name`` (``auto``: the data's suggestion) built on the meta device;
     ``own_loss``: the model computes its own loss (``--loss model``), so the task's loss is not tried."""
     get_task(bundle.task)  # a task polytrain has
+    if isinstance(bundle.train, TokenStream):  # streamed as training goes: nothing to sample before it
+        return
     for name in ("train", "test"):
         _check_set(getattr(bundle, name), name, what, required=name == "train")
     samples = [_sample(getattr(bundle, name), name, what) for name in ("train", "test")

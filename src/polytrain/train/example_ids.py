@@ -24,19 +24,27 @@ class ExampleIds:
     def __init__(self, path: str, trainers: Topology, slice_index: int, plan: BatchPlan):
         self.path, self.trainers, self.slice_index, self.plan = Path(path), trainers, slice_index, plan
         self.pending: list[tuple[int, list[int]]] = []
+        self.epochs: dict[int, int] = {}  # a stream's epoch of each step noted (a plan cannot tell it)
 
     def observe(self, batch: Batch) -> None:
         assert batch.indices is not None, "batches drawn by SlicedBatches carry their indices"
         self.pending.append((batch.step, batch.indices.tolist()))
+        if batch.epoch is not None:
+            self.epochs[batch.step] = batch.epoch
 
     def flush(self) -> None:
         """Write the steps noted since the last call; a collective over the trainer ranks."""
-        noted = self.trainers.all_gather_object((self.slice_index, self.pending))
-        self.pending = []
+        noted = self.trainers.all_gather_object((self.slice_index, self.pending, self.epochs))
+        self.pending, self.epochs = [], {}
         if not self.trainers.is_main:
             return
-        lines = [json.dumps({"step": step + 1, "epoch": self.plan.position(step)[0], "ids": ids})
-                 for step, ids in merge(noted)]
+        epochs: dict[int, int] = {}  # a stream's: the earliest of any rank's lanes
+        for _, _, theirs in noted:
+            for step, epoch in theirs.items():
+                epochs[step] = min(epoch, epochs.get(step, epoch))
+        lines = [json.dumps({"step": step + 1, "epoch": epochs[step] if step in epochs else self.plan.position(step)[0],
+                             "ids": ids})
+                 for step, ids in merge([(index, steps) for index, steps, _ in noted])]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as fh:
             fh.writelines(line + "\n" for line in lines)

@@ -119,6 +119,8 @@ class Verdict:
     manifest: dict[str, Any] | None = None  # None: no manifest (an older polytrain's file), or unreadable
     state: dict[str, Any] | None = None  # its contents, when usable
     size: int | None = None
+    #: verified ``lazy``: the contents of its parts, mapped (a checkpoint written in parts; None otherwise)
+    parts: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -144,9 +146,12 @@ class Verdict:
 
 
 def verify(path: str | Path, expected: Signature | None = None,
-           map_location: str | torch.device = "cpu") -> Verdict:
+           map_location: str | torch.device = "cpu", lazy: bool = False) -> Verdict:
     """Check ``path`` against its manifest and, given ``expected``, against the model it is meant for;
-    load it if that passes. Never raises for a bad file: the verdict says what is wrong with it."""
+    load it if that passes. Never raises for a bad file: the verdict says what is wrong with it. ``lazy``:
+    every file is checked as well, but loaded mapped (its tensors read only when touched; see
+    :func:`polytrain.weights.sources.load_mapped`) and a checkpoint in parts is not put together
+    (``verdict.parts``): for a reader that takes only the rows it holds (:mod:`polytrain.train.lazy`)."""
     verdict = Verdict(Path(path))
     try:
         verdict.size = verdict.path.stat().st_size
@@ -157,7 +162,7 @@ def verify(path: str | Path, expected: Signature | None = None,
     if verdict.problem:
         return verdict
     try:
-        state = torch.load(verdict.path, map_location=map_location, weights_only=True)
+        state = _load(verdict.path, map_location, lazy)
     except Exception as exc:  # truncated or damaged without a manifest to tell which: say what torch said
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         verdict.problem = f"cannot be read as a checkpoint ({first})"
@@ -166,10 +171,10 @@ def verify(path: str | Path, expected: Signature | None = None,
         verdict.problem = f"is not a polytrain checkpoint (format {FORMAT})"
     elif verdict.step is not None and state.get("step") != verdict.step:
         verdict.problem = f"holds step {state.get('step')}, its name says step {verdict.step}"
-    elif "sharded" in state and (problem := _assemble(verdict, state, map_location)):
+    elif "sharded" in state and (problem := _assemble(verdict, state, map_location, lazy)):
         verdict.problem = problem
-    elif expected is not None and (difference := model_difference(
-            signature((verdict.state or state).get("model") or {}), expected)):
+    elif expected is not None and (difference := model_difference(_model_signature(verdict.state or state),
+                                                                   expected)):
         verdict.problem = difference
         verdict.state = None
     else:
@@ -177,9 +182,26 @@ def verify(path: str | Path, expected: Signature | None = None,
     return verdict
 
 
-def _assemble(verdict: Verdict, main: dict[str, Any], map_location: str | torch.device) -> str | None:
+def _load(path: Path, map_location: str | torch.device, lazy: bool) -> Any:
+    if lazy:
+        from polytrain.weights.sources import load_mapped
+
+        return load_mapped(path)
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _model_signature(state: dict[str, Any]) -> Signature:
+    """The model's signature in a loaded checkpoint (a checkpoint in parts not put together: its main file's)."""
+    if "model" not in state and "sharded" in state:
+        return [list(t) for t in state["sharded"]["model"]]
+    return signature(state.get("model") or {})
+
+
+def _assemble(verdict: Verdict, main: dict[str, Any], map_location: str | torch.device,
+              lazy: bool = False) -> str | None:
     """A checkpoint written in parts (:mod:`polytrain.train.sharded`): each part checked against the manifest
-    (size, SHA-256) and read, and the whole state put together into ``verdict.state``; the problem, if any."""
+    (size, SHA-256) and read, and the whole state put together into ``verdict.state`` (``lazy``: the parts
+    mapped into ``verdict.parts``, nothing put together); the problem, if any."""
     from polytrain.train.sharded import PART_FORMAT, assemble
 
     listed = (verdict.manifest or {}).get("parts") or [{"file": name} for name in main["sharded"].get("files", [])]
@@ -197,12 +219,15 @@ def _assemble(verdict: Verdict, main: dict[str, Any], map_location: str | torch.
         if "sha256" in entry and sha256_file(where) != entry["sha256"]:
             return f"has a corrupted part {where.name} (its SHA-256 differs from the manifest's)"
         try:
-            part = torch.load(where, map_location=map_location, weights_only=True)
+            part = _load(where, map_location, lazy)
         except Exception as exc:  # noqa: BLE001 - a damaged part without a manifest: say what torch said
             return f"has a part {where.name} that cannot be read ({str(exc).strip().splitlines()[0]})"
         if not isinstance(part, dict) or part.get("format") != PART_FORMAT or part.get("step") != main["step"]:
             return f"has a part {where.name} that is not step {main['step']}'s"
         contents.append(part)
+    if lazy:
+        verdict.state, verdict.parts = main, contents
+        return None
     try:
         verdict.state = assemble(main, contents)
     except ValueError as exc:

@@ -13,13 +13,16 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.registry import build_data, check_data
+from polytrain.data.registry import check_data_of, data_of
+from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
+from polytrain.models.lm import check_lm_model
 from polytrain.models.registry import check_model
+from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
@@ -72,17 +75,26 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:
         raise ConfigError(f"--lr-scaling {config.optim.lr_scaling} needs --base-batch-size "
                           "(the batch size --lr was tuned for)")
+    if config.data.pack and config.train.loss == "model":
+        raise ConfigError("--pack with --loss model: a model's own loss shifts the labels itself, across the packed "
+                          "documents' boundaries; use --loss task (the default) with --pack")
     if config.checkpoint.resume and not config.checkpoint.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
-    if data is None and is_import_path(config.data.data):  # a user's factory: its data checked, once, here
-        made = build_data(config.data.data, config.data.data_args, seed=config.train.seed)
-        _check_user_data(made, f"--data {config.data.data}", config, model)
-        _check_dataset_size(len(made.train), layout.slices, config.global_batch(layout.slices))
-    elif data is None:
-        _check_dataset_size(check_data(config.data.data, config.data.data_args), layout.slices,
-                            config.global_batch(layout.slices))
+    check_weights(config)  # --init-from, --model hf:DIR: there, readable
+    if data is None:
+        if is_import_path(config.data.data):  # a user's factory: its data built and checked, once, here
+            bundle = data_of(config)
+            _check_user_data(bundle, f"--data {config.data.data}", config, model)
+            size = len(bundle.train) if hasattr(bundle.train, "__len__") else None
+        else:
+            size, bundle = check_data_of(config)
+        _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))
+        if bundle is not None and bundle.task == "lm" and model is None:
+            check_lm_model(bundle, config)  # the vocabulary, the positions, --pack: before any worker starts
+        if bundle is not None and isinstance(bundle.train, TokenStream) and not config.checkpoint.resume:
+            StreamPlan.make(bundle.train, config.global_batch(layout.slices), layout.slices)  # lanes, batch, chunks
     else:
         _check_user_data(data, f"data={data.name}", config, model)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory

@@ -22,13 +22,15 @@ from polytrain.config import RunConfig, to_toml
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import BatchPlan, Slice
 from polytrain.data.buckets import batch_plan
+from polytrain.data.stream import StreamBatches, StreamPlan, TokenStream
 from polytrain.devices.host_memory import describe_host_memory
 from polytrain.devices.placement import model_devices
 from polytrain.devices.runtime import DeviceRuntime
 from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
-from polytrain.models.deferred import build_deferred
+from polytrain.models.deferred import build_for_run
+from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.models.replay import build_parts
@@ -40,14 +42,15 @@ from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.integrity import signature
 from polytrain.train import reshard
+from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
 from polytrain.train.unit_options import apply_unit_options, describe_unit_options
 from polytrain.train.reshard import DataPosition
 from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
-from polytrain.tasks import Task, check_takes_labels, get_task
+from polytrain.tasks import Task, check_takes_labels, get_task, packed_task
 
 #: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
-RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "optimizer")
+RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "tokenizer", "pack", "optimizer")
 
 
 #: the opening line saying what is minimised, for each --loss
@@ -71,7 +74,7 @@ class Session:
     data: DataBundle
     strategy: Strategy
     slice: Slice  # this rank's equal slice of each global batch (evaluation's too)
-    plan: BatchPlan
+    plan: BatchPlan | StreamPlan
     model: nn.Module  # this rank's prepared model (wrapped, or a pipeline stage)
     task: Task
     lr_schedule: LRSchedule | reshard.Rescaled  # Rescaled: moving to a new global batch's LR after a resume
@@ -82,6 +85,10 @@ class Session:
     step_slices: Slice | Callable[[int], Slice]
     start_step: int = 0
     devices: DeviceRuntime = field(default_factory=DeviceRuntime)
+    #: a stream's batches as the trainer draws them: where each of this rank's lanes is (for checkpoints)
+    stream: StreamBatches | None = None
+    #: where the model's starting weights come from, for the start-up line (``initialised from --seed 0``, ...)
+    weights: str = ""
 
     @property
     def log(self):
@@ -130,14 +137,18 @@ class Session:
         """What a checkpoint holds besides the model and optimizer, on the trainers' rank 0 (None elsewhere).
         Collective: every trainer's RNG states are gathered."""
         trainers = self.strategy.trainers
-        rng = trainers.all_gather_object(capture_rng())
+        lanes = self.stream.position() if self.stream is not None else None
+        gathered = trainers.all_gather_object((capture_rng(), lanes))  # (a stream's lanes are on their ranks)
         if not trainers.is_main:
             return None
+        rng = [r for r, _ in gathered]
+        position = self.plan.checkpoint_position([mine for _, mine in gathered]) \
+            if isinstance(self.plan, StreamPlan) else DataPosition.at(self.plan, step).as_dict()
         return {
             **self.strategy.amp.state_dict(),  # 16-mixed: the loss scaler's scale and growth count
             "schedule": str(self.lr_schedule),
             "lr": float(self.lr_schedule(step)),  # the next step's: where a resume at another batch starts from
-            "data_position": DataPosition.at(self.plan, step).as_dict(),
+            "data_position": position,
             "rng": rng,
             "world_size": trainers.world_size,
             "strategy": self.config.train.strategy,
@@ -149,11 +160,14 @@ class Session:
         params = sum(p.numel() for p in self.strategy.module.parameters())
         per_worker = self.plan.global_batch // self.slice.count
         batch = f"{self.plan.global_batch}" + (f" = {self.slice.count} x {per_worker}" if self.slice.count > 1 else "")
+        epoch = (f"{self.plan.steps_per_epoch} steps/epoch" if self.plan.steps_per_epoch is not None else
+                 f"streamed in {self.plan.lanes} lanes")
         lines = [
             f"strategy {self.strategy.describe()}",
             f"data {self.data.describe()}",
+            f"model {cfg.model.model}: {params:,} parameters; {self.weights}" if self.weights else
             f"model {cfg.model.model}: {params:,} parameters",
-            f"batch {batch}; {self.plan.steps_per_epoch} steps/epoch; training {self.total_steps} steps"
+            f"batch {batch}; {epoch}; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
             *describe_unit_options(cfg.units, self.strategy.module),
             f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
@@ -178,10 +192,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)
     check_batch(slices, global_batch, config.train.accumulate)
-    try:
-        plan = batch_plan(data.train, global_batch, config.train.seed, data.bucket_window)
-    except ValueError as exc:
-        raise ConfigError(f"--batch-size: {exc}; use a smaller batch or fewer workers") from None
+    plan = _plan(data, global_batch, config, strategy, mine)
     total_steps = reshard.total_steps(plan, config.train.steps, config.train.epochs)
     if model is None:
         if config.model.model == "auto":
@@ -190,15 +201,20 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
             return build_model(config.model.model, config.model.model_args, input_shape=data.input_shape,
                                num_classes=data.num_outputs)
 
-        # on the meta device where the model can be materialised unit by unit: the strategy makes what it keeps
-        model = build_deferred(build, config.train.seed) or (  # replay: a pipeline makes only its stages
-            build_parts(build) if getattr(strategy, "builds_part", False) else None) or build()
+        # on the meta device where the model can be materialised unit by unit and its factory gives it no weights
+        # of its own: the strategy makes what it keeps (replay: a pipeline makes only its stages of any factory's)
+        model, weights = build_for_run(build, config.train.seed,
+                                       build_parts if getattr(strategy, "builds_part", False) else None,
+                                       source=weights_to_load(config))
+    else:
+        model, weights = given_model(model, weights_to_load(config))
     check_lm_compat(data, model, config.model.model)
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
     lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
-    task = get_task(data.task)
+    task = get_task(data.task) if data.document_end is None else packed_task(data.document_end, model,
+                                                                             config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
     model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
@@ -210,11 +226,28 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
     session = Session(config, topology, data, strategy, mine, plan, model, task, lr_schedule, total_steps,
-                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices)
+                      checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices,
+                      weights=weights)
     if config.checkpoint.resume:
         _resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
     return session
+
+
+def _plan(data: DataBundle, global_batch: int, config: RunConfig, strategy: Strategy,
+          mine: Slice) -> BatchPlan | StreamPlan:
+    """The plan of the global batches: a stream's lanes (see :mod:`polytrain.data.stream`), else the epochs'
+    permutations (bucketed by length where the data asks)."""
+    if isinstance(data.train, TokenStream):
+        if strategy.rebalancing is not None or strategy.out_of_order is not None or continuing(config):
+            raise ConfigError(f"--data {data.name}: a stream is read in order, each rank its own lanes; it cannot "
+                              "hand slices of any step to any rank (--rebalance, --tolerate-worker-loss, "
+                              "--on-failure continue); use a map-style dataset (hf: without stream=true) for them")
+        return StreamPlan.make(data.train, global_batch, mine.count)
+    try:
+        return batch_plan(data.train, global_batch, config.train.seed, data.bucket_window)
+    except ValueError as exc:
+        raise ConfigError(f"--batch-size: {exc}; use a smaller batch or fewer workers") from None
 
 
 def _step_slices(strategy: Strategy, mine: Slice, global_batch: int,
@@ -261,8 +294,8 @@ def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model:
 
 
 def _build_data(config: RunConfig) -> DataBundle:
-    from polytrain.data.registry import build_data
-    return build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+    from polytrain.data.registry import data_of
+    return data_of(config)
 
 
 def _resume(s: Session) -> None:
@@ -289,7 +322,8 @@ def _resume(s: Session) -> None:
         return
     saved = state["config"]
     current = s.config.flat()
-    clash = [k for k in RESUME_MUST_MATCH if saved.get(k) != current.get(k)]
+    defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
+    clash = [k for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != current.get(k)]
     if clash:
         raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
                           f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
@@ -299,6 +333,7 @@ def _resume(s: Session) -> None:
     s.strategy.load_state_dict(state)
     s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
+    s.weights = f"weights from the checkpoint of step {s.start_step}"
     _continue_data(s, state)
     if len(state["rng"]) == trainers.world_size:
         restore_rng(state["rng"][trainers.rank])
@@ -321,7 +356,15 @@ def _nothing_left_message(s: Session) -> str:
 
 def _continue_data(s: Session, state: dict[str, Any]) -> None:
     """Continue the checkpoint's data position (at its global batch or another, see :mod:`.reshard`), with
-    the steps left and the LR that follow."""
+    the steps left and the LR that follow; a stream's lanes where they were."""
+    saved = state.get("data_position") or {}
+    if isinstance(s.plan, StreamPlan) or saved.get("stream"):
+        if not (isinstance(s.plan, StreamPlan) and saved.get("stream")):
+            raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with "
+                              f"{'a stream' if saved.get('stream') else 'map-style data'}; resume with the data it "
+                              "was made with, or use another --checkpoint-dir")
+        s.plan = StreamPlan.make(s.plan.stream, s.plan.global_batch, s.slice.count, saved)
+        return
     position = DataPosition.saved(state, s.plan.num_examples)
     try:
         s.plan = reshard.continue_plan(s.plan, position, s.start_step)

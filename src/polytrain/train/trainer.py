@@ -31,6 +31,7 @@ import polytrain.components  # noqa: F401  (a worker unpickles the config of eve
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
 from polytrain.data.batches import SlicedBatches, eval_batches
+from polytrain.data.stream import StreamBatches, StreamPlan
 from polytrain.devices import memory_limit
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
@@ -99,6 +100,8 @@ class Trainer:
             return summary
         finally:
             run_log.close()
+            if self.session.stream is not None:  # its reading thread
+                self.session.stream.close()
 
     def _run_source(self) -> RunSource:
         s = self.session
@@ -112,8 +115,12 @@ class Trainer:
 
     def _loop(self, run_log: RunLog) -> dict[str, Any]:
         s, cfg, strategy = self.session, self.config, self.strategy
-        batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
-                                     cfg.data.data_workers))
+        if isinstance(s.plan, StreamPlan):  # read ahead by a thread; the session asks it where the lanes are
+            s.stream = batches = StreamBatches(s.plan, s.slice.index, s.slice.count, strategy.topology.device,
+                                               s.start_step, self.topology)
+        else:
+            batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
+                                         cfg.data.data_workers))
         meter, totals = IntervalMeter(), IntervalMeter()
         ids = self.ids = example_ids(s, self.topology)  # (self.ids: --on-failure continue writes what it noted)
         self.guard = DivergenceGuard(self.topology.device)
@@ -200,7 +207,8 @@ class Trainer:
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
         summary = self._summary(step, totals, train_loss, last_eval)
-        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step}
+        summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
+                              **self.stopping.record()}
         return summary
 
     def _checkpoint_due(self, done: int) -> bool:
@@ -311,10 +319,18 @@ class Trainer:
             "strategy": self.config.train.strategy,
             "workers": self.topology.world_size,
             "global_batch": s.plan.global_batch,
+            **packed_efficiency(s.data),
             **strategy_numbers,
             **self.straggler.summary(self.topology),
             **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
         }
+
+
+def packed_efficiency(data: DataBundle) -> dict[str, float]:
+    """``packed_efficiency``: of the token positions the packed training sequences hold, the share that are
+    real target tokens (the rest padding, or a target after a document's end); {} for unpacked data."""
+    efficiency = getattr(data.train, "efficiency", None)
+    return {"packed_efficiency": round(efficiency(), 4)} if data.document_end is not None and efficiency else {}
 
 
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,

@@ -14,6 +14,8 @@ import torch
 import polytrain
 from polytrain.errors import ConfigError, PolytrainError
 
+pytestmark = pytest.mark.serial  # a heartbeat bound of 1.5 s: alone under pytest -n (make test)
+
 STEPS = 40
 COMMON = dict(strategy="async", model="mlp:hidden=32", data="digits", batch_size=48, lr=0.1, seed=5,
               progress="off", eval_every=20, timeout=60, heartbeat_timeout=1.5, tolerate_worker_loss=True,

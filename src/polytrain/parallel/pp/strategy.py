@@ -133,6 +133,9 @@ class Pipeline(TracedRun, Strategy):
             raise ConfigError(f"--microbatches {opts.microbatches} does not divide each pipeline's batch of "
                               f"{per} examples; pass a divisor of {per} or another --batch-size")
         plan.check_schedule(opts.schedule, pp, opts.microbatches)
+        if config.data.pack:
+            raise ConfigError(f"--pack: --strategy {cls.name}'s stages pass one another activations only, not the "
+                              "packed documents' position ids; use sync, fsdp or tp with --pack, or leave it out")
         tp_axis.check_axis(layout, config, model)
         check_transport(config, cls.name)
         refuse_loss_scaling(config, cls.name, "the pipelining schedule runs each micro-batch's backward itself, "

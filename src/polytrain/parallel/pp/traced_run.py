@@ -256,12 +256,12 @@ def plan_split(config: Any, layout: Any) -> traced.TracedSplit | None:
     device (nothing allocated; ``auto`` balances the layers' parameters, as a run does for a model it builds
     on the meta device); None for a model cut as a chain of units. One ConfigError line where a run would
     refuse the split."""
-    from polytrain.data.registry import build_data
+    from polytrain.data.registry import data_of
     from polytrain.models.registry import build_model
     from polytrain.parallel.pp import plan
     from polytrain.tasks import get_task
 
-    data = build_data(config.data.data, config.data.data_args, seed=config.train.seed)
+    data = data_of(config)
     name = data.default_model if config.model.model == "auto" else config.model.model
     with torch.device("meta"):
         model = build_model(name, config.model.model_args, input_shape=data.input_shape,

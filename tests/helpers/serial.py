@@ -1,0 +1,41 @@
+"""Tests that run alone while the suite runs on several pytest-xdist workers (``make test``: ``pytest -n 2``).
+
+A test marked ``serial`` (a Slurm cluster of its own, network namespaces, a bound on when a peer is declared
+lost) runs while no other test runs: every test holds a shared lock on one file for its whole protocol (setup,
+call, teardown), a ``serial`` one an exclusive lock. A turnstile lock in front keeps a waiting ``serial`` test
+from being overtaken by the next shared ones forever. Without xdist nothing is locked."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+class SuiteLock:
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self._turnstile = os.open(directory / "polytrain-turnstile.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._tests = os.open(directory / "polytrain-serial.lock", os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def held(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._tests, fcntl.LOCK_UN)
+
+
+def suite_lock(config) -> SuiteLock | None:
+    """The lock shared by this run's xdist workers (their base temporary directories' parent), None when this
+    process is not an xdist worker."""
+    if not hasattr(config, "workerinput") or not config.option.basetemp:
+        return None
+    return SuiteLock(Path(config.option.basetemp).parent)
