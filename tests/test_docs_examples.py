@@ -213,6 +213,7 @@ def _outputs(text: str, count: int) -> list[str]:
     return [found.get(i, "") for i in range(count)]
 
 
+@pytest.mark.slow
 def test_the_readme_runs_top_to_bottom(tmp_path, cli_env):
     work = tmp_path / "work"
     work.mkdir()
