@@ -122,3 +122,15 @@ def test_missing_packages_and_a_setting_given_twice_are_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"--tokenizer needs the tokenizers package: pip install "
                                           r"'polytrain\[tokenizers\]' \(or leave --tokenizer out: bytes are the tokens\)"):
         load_tokenizer("text")
+
+
+def test_a_hugging_face_models_own_tokenizer_is_the_runs_by_default(tmp_path):
+    from polytrain.api import make_config
+    from polytrain.data.registry import tokenizer_of
+
+    word_tokenizer(tmp_path / "model")
+    model = f"hf:{tmp_path / 'model'}"
+    assert tokenizer_of(make_config(model=model, data="text")) == str(tmp_path / "model")
+    assert tokenizer_of(make_config(model=model, data="text", tokenizer="text")) == "text"  # --tokenizer wins
+    assert tokenizer_of(make_config(model=model, data="digits")) is None  # no text: no tokenizer, no error
+    assert tokenizer_of(make_config(model="transformer_lm", data="text")) is None  # bytes

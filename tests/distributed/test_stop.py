@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from polytrain.distributed import stop as stop_module
 from polytrain.distributed.stop import StopBeforeTraining, StopNow, StopSignal
 
 
@@ -124,12 +126,27 @@ def test_first_signal_asks_second_stops_at_once():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
 
 
+def test_one_signal_delivered_twice_counts_once_and_a_later_one_stops_at_once(monkeypatch):
+    """``timeout`` and Slurm send a stop to the command and to its process group: the same signal twice within
+    microseconds is one request; the same signal sent once the first was taken is a second signal."""
+    monkeypatch.setattr(stop_module, "REPEAT_WINDOW_S", 0.3)
+    stop = StopSignal()
+    with stop.handling():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no StopNow
+        assert stop.requested == "SIGTERM"
+        time.sleep(0.4)
+        with pytest.raises(StopNow) as raised:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert raised.value.signum == signal.SIGTERM
+
+
 def test_a_deferred_second_signal_is_raised_by_check_and_wakes_its_descriptor():
     stop = StopSignal()
     wake = stop.wake_fd
     with stop.handling(), stop.deferring():
         os.kill(os.getpid(), signal.SIGHUP)
-        os.kill(os.getpid(), signal.SIGHUP)  # no exception here: deferred
+        os.kill(os.getpid(), signal.SIGTERM)  # no exception here: deferred
         assert os.read(wake, 10)
         with pytest.raises(StopNow):
             stop.check()
@@ -146,3 +163,19 @@ def test_a_strategy_that_misses_its_collective_steps_is_caught_not_run_past(stor
     assert ahead.stop_step(4, lambda b: b != 5, 100) is None  # proposes 6 (5 said to hold no collective)
     with pytest.raises(RuntimeError, match="stop step 6 agreed while this rank is already at step 7"):
         ahead.stop_step(7, lambda b: True, 100)  # it missed step 6: it ran past the agreed step
+
+
+def test_a_repeat_that_arrives_while_the_first_is_being_taken_counts_once(monkeypatch):
+    """Python may run the second delivery's handler inside the first's (a signal between its bytecodes)."""
+    stop = StopSignal()
+    request = stop.request
+
+    def slow_request(name, signum=0):  # the group's copy arrives while the first is being taken
+        first = request(name, signum)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return first
+
+    monkeypatch.setattr(stop, "request", slow_request)
+    with stop.handling():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"

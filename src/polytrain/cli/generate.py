@@ -42,7 +42,8 @@ def add_parser(sub: Any) -> None:
                         help="model argument, as given to train (repeatable)")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, start a new line)")
     parser.add_argument("--tokenizer", metavar="DIR|FILE", help="the tokenizer the model was trained with, as "
-                        "train's --tokenizer (default with --checkpoint-dir: the run's; else bytes)")
+                        "train's --tokenizer (default: the run's with --checkpoint-dir, a --model hf:DIR's own; "
+                        "else bytes)")
     parser.add_argument("--tokens", type=int, default=200, metavar="N",
                         help="tokens (bytes without a tokenizer) to generate (default: 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
@@ -53,7 +54,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polytrain.data.tokenizer import load_tokenizer
+    from polytrain.data.tokenizer import load_tokenizer, model_tokenizer
     from polytrain.errors import ConfigError
     from polytrain.models.sampling import sample_bytes, sample_text
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be a finite number >= 0 (0 always takes the likeliest token), "
                           f"got {args.temperature}")
     state, saved = _read_weights(args)
-    name = args.tokenizer or saved.get("tokenizer")
+    name = args.tokenizer or saved.get("tokenizer") or model_tokenizer(args.model or saved.get("model"))
     tokenizer = load_tokenizer(name) if name else None
     model = load_model(args, state, saved, tokenizer.vocab_size if tokenizer is not None else None)
     if tokenizer is not None:

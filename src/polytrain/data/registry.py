@@ -151,7 +151,8 @@ def build_data(spec: str, args: dict[str, Any] | None = None, *, seed: int = 0, 
 def data_of(config: Any) -> DataBundle:
     """The dataset of a run's config (its data section and seed)."""
     data = config.data
-    return build_data(data.data, data.data_args, seed=config.train.seed, tokenizer=data.tokenizer, pack=data.pack)
+    return build_data(data.data, data.data_args, seed=config.train.seed, tokenizer=tokenizer_of(config),
+                      pack=data.pack)
 
 
 def check_data_of(config: Any) -> tuple[int | None, DataBundle | None]:
@@ -162,7 +163,19 @@ def check_data_of(config: Any) -> tuple[int | None, DataBundle | None]:
     if entry.mapped:
         bundle = data_of(config)
         return (len(bundle.train) if hasattr(bundle.train, "__len__") else None), bundle
-    return check_data(data.data, data.data_args, tokenizer=data.tokenizer, pack=data.pack), None
+    return check_data(data.data, data.data_args, tokenizer=tokenizer_of(config), pack=data.pack), None
+
+
+def tokenizer_of(config: Any) -> str | None:
+    """The run's tokenizer: ``--tokenizer``; else, for ``--model hf:DIR`` and data that takes one, the model
+    directory's own tokenizer (a model's vocabulary is its tokenizer's); else None (bytes)."""
+    from polytrain.data.tokenizer import model_tokenizer
+
+    data = config.data
+    if data.tokenizer:
+        return data.tokenizer
+    own = model_tokenizer(config.model.model)
+    return own if own and _accepts(_resolve(data.data, data.data_args)[0].build, "tokenizer") else None
 
 
 def _accepts(fn: Callable, name: str) -> bool:

@@ -171,8 +171,16 @@ def _read(path: Path, spec: str) -> str:
 
 def has_tokenizer(directory: str | Path) -> bool:
     """Whether a directory (a Hugging Face model's) holds a tokenizer ``--tokenizer DIR`` would read."""
-    d = Path(directory)
+    d = Path(directory).expanduser()
     return (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
+
+
+def model_tokenizer(model: str | None) -> str | None:
+    """The directory of ``--model hf:DIR`` when it holds a tokenizer (a run's default ``--tokenizer``)."""
+    if not model or not model.startswith("hf:"):
+        return None
+    directory = model[len("hf:"):]
+    return directory if has_tokenizer(directory) else None
 
 
 _LOADED: dict[tuple[str, int], Tokenizer] = {}

@@ -13,6 +13,7 @@ cannot do without (its heartbeat's PeerLostError), is part of the job's failure.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import time
@@ -253,9 +254,13 @@ def send_report(conn: Connection, status: str, payload: Any) -> None:
 
 def stop_all(processes: list[Any]) -> None:
     """Kill every live worker (SIGKILL: a worker takes SIGTERM as a request to stop in order, which a failed
-    job must not do) and reap them."""
+    job must not do), with the processes it started (a worker leads a process group of its own: its compiler
+    subprocesses are in it), and reap them."""
     for proc in processes:
         if proc.is_alive():
+            with contextlib.suppress(OSError, AttributeError, TypeError):
+                if os.getpgid(proc.pid) == proc.pid:  # (its own group, not the launcher's)
+                    os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(OSError, AttributeError):
                 proc.kill()
     for proc in processes:

@@ -38,7 +38,9 @@ class TrainConfig:
     seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
     eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
                              metavar="N")
-    eval_batch_size: int = option(256, "examples per evaluation batch per worker", minimum=1, metavar="N")
+    eval_batch_size: int | None = option(None, "examples per evaluation batch per worker (default 256; under "
+                                         "--memory-limit at most training's batch per worker, which fits)",
+                                         minimum=1, metavar="N")
     save_model: str | None = option(None, "write the trained model's state_dict here (torch.save)",
                                     metavar="FILE")
     deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")

@@ -199,6 +199,25 @@ def peak_bytes(device: torch.device) -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB elsewhere
 
 
+def current_bytes(device: torch.device) -> int:
+    """What :func:`peak_bytes` counts, now: the memory allocated on a GPU, the resident set (``VmRSS``) here."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    return peak_bytes(device)
+
+
+@dataclass
+class Measured:
+    """What :meth:`MemoryMeter.apart` measured: the block's peak above what was in use at its start."""
+
+    need: int = 0
+
+
 # -- the trainer's meter --------------------------------------------------------------------------------
 
 class MemoryMeter:
@@ -209,7 +228,20 @@ class MemoryMeter:
         self.device = torch.device(device)
         self.measured_steps = measured_steps
         self._peaks: list[int] = []  # the measured steps' activations
+        self._carried = 0  # the peak before a block measured apart (which starts the peak over)
         reset_peak(self.device)
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[Measured]:
+        """Measure the block's own peak above what is in use at its start (the run's peak so far is kept)."""
+        self._carried = max(self._carried, peak_bytes(self.device))
+        start = current_bytes(self.device)
+        reset_peak(self.device)
+        measured = Measured()
+        try:
+            yield measured
+        finally:
+            measured.need = max(0, peak_bytes(self.device) - start)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -231,7 +263,7 @@ class MemoryMeter:
     def rank_numbers(self, strategy: Any) -> dict[str, int | None]:
         """This rank's numbers, in bytes."""
         state = state_bytes(strategy.module, strategy_optimizers(strategy))
-        return {"peak": peak_bytes(self.device), **asdict(state), "activations": self.activations}
+        return {"peak": max(peak_bytes(self.device), self._carried), **asdict(state), "activations": self.activations}
 
     def summary(self, strategy: Any, trainers: Any) -> dict[str, Any]:
         """The end summary's memory entries (collective over ``trainers``: every trainer rank calls it)."""

@@ -165,6 +165,7 @@ class Session:
         lines = [
             f"strategy {self.strategy.describe()}",
             f"data {self.data.describe()}",
+            *_tokenizer_line(self.config),
             f"model {cfg.model.model}: {params:,} parameters; {self.weights}" if self.weights else
             f"model {cfg.model.model}: {params:,} parameters",
             f"batch {batch}; {epoch}; training {self.total_steps} steps"
@@ -176,6 +177,17 @@ class Session:
             f"process: {torch.get_num_threads()} CPU thread(s) per worker, {describe_host_memory()}",
         ]
         return "\n".join(lines)
+
+
+def _tokenizer_line(config: RunConfig) -> list[str]:
+    from polytrain.data.registry import tokenizer_of
+    from polytrain.data.tokenizer import cached_tokenizer
+
+    name = tokenizer_of(config)
+    if name is None:
+        return []
+    own = "" if config.data.tokenizer else " (--model's own)"
+    return [cached_tokenizer(name).describe() + own]
 
 
 def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = None,

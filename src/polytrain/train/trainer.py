@@ -41,6 +41,7 @@ from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
 from polytrain.train.files import atomic_save
+from polytrain.train.evaluation import EvalBatchSize, saved_first
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
@@ -78,6 +79,8 @@ class Trainer:
         s = self.session  # --profile A-B: a trace and a summary of those steps on every trainer rank
         self.profiler = StepProfiler(config, self.topology, s.start_step, s.total_steps) \
             if config.profile.profile else None
+        self.eval_batch = EvalBatchSize(config, s.plan.global_batch, s.slice.count,  # under --memory-limit: fits
+                                        len(s.data.test) if s.data.test is not None else 0)
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
@@ -172,11 +175,12 @@ class Trainer:
                 last_eval = self._evaluate(run_log, done)
             if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
                 self._checkpoint(done)
-        if s.data.test is not None:
-            last_eval = self._evaluate(run_log, step)
+        saved = []  # the result first (train/evaluation.py): an evaluation that fails loses nothing
         if s.checkpointer:
-            self._checkpoint(step)
-        self._save_model()
+            saved += self._checkpoint(step)
+        saved += self._save_model()
+        if s.data.test is not None:
+            last_eval = self._final_evaluation(run_log, step, saved)
         return self._summary(step, totals, last_interval_loss, last_eval)
 
     def _stop_after(self, done: int) -> bool:
@@ -269,7 +273,9 @@ class Trainer:
         was_training = s.model.training
         s.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
-        size = self.config.train.eval_batch_size
+        size = self.eval_batch.size or self.config.train.eval_batch_size or self.eval_batch.micro
+        with memory_limit.evaluating(size):
+            size = self.eval_batch.decide(self._probe_evaluation, self.memory.apart, topo.all_gather_object)
         with memory_limit.evaluating(size):
             for x, y in eval_batches(s.data.test, size, s.slice, topo.device):
                 with s.devices.context():
@@ -283,24 +289,47 @@ class Trainer:
         run_log.evaluation(step, *result, s.task.metrics(*result))
         return result
 
-    def _checkpoint(self, step: int) -> None:
+    def _probe_evaluation(self, count: int) -> None:
+        """One evaluation batch of ``count`` examples, its result dropped (sizing the batches: evaluation.py)."""
+        s = self.session
+        for x, y in eval_batches(s.data.test, count, s.slice, self.topology.device):
+            with s.devices.context():
+                self.strategy.eval_step(x, y)
+            return
+
+    def _final_evaluation(self, run_log: RunLog, step: int, saved: list[str]) -> tuple[float, float | None]:
+        """The evaluation after the last step, once the result is written: its error says where that is."""
+        saved = self.topology.broadcast_object(saved)  # (what the trainers' rank 0 wrote, for any rank's error)
+        try:
+            return self._evaluate(run_log, step)
+        except Exception as exc:
+            error = saved_first(exc, step, saved)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _checkpoint(self, step: int) -> list[str]:
+        """Write step ``step``'s checkpoint (every trainer rank); what was written, on the trainers' rank 0."""
         self._check_finite()
         self.timed.reset()
         s = self.session
         path = s.save_checkpoint(step)  # every rank (None: not written, warned: --on-checkpoint-error warn)
         if self.topology.is_main and path is not None:
             s.log.info(f"checkpoint: {path}")
+        return [f"checkpoint {path}"] if path is not None else []
 
-    def _save_model(self) -> None:
+    def _save_model(self) -> list[str]:
         path = self.config.train.save_model
         if not path:
-            return
+            return []
         self._check_finite()
         state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
-        if self.topology.is_main:
-            # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
-            atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
-            self.session.log.info(f"model saved to {path}")
+        if not self.topology.is_main:
+            return []
+        # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
+        atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
+        self.session.log.info(f"model saved to {path}")
+        return [f"--save-model {path}"]
 
     def _summary(self, step: int, totals: IntervalMeter, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
