@@ -2,6 +2,8 @@
 worker through the command's ``main``: in this process, or many lines in one fresh one)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,6 +37,16 @@ def test_devices_lists_the_cpu(capsys):
     listed = json.loads(run_here(capsys, "devices", "--json").stdout)
     cpu = [d for d in listed if d["name"] == "cpu"]
     assert cpu and cpu[0]["cores"] >= 1
+
+
+def test_devices_imports_no_strategy_and_on_a_cpu_build_not_torch(cli_env):
+    table = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "devices"], env=cli_env,
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and "cpu" in table.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in table.stderr.splitlines() if line.startswith("import time:")}
+    assert "polytrain.devices.discovery" in imported and "polytrain.components" not in imported
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and sys.platform != "darwin":
+        assert "torch" not in imported  # a CPU build: nothing to ask torch about
 
 
 def test_print_config_round_trips(capsys, tmp_path):

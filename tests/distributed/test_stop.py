@@ -88,11 +88,11 @@ def test_a_request_reaches_the_other_processes_through_the_store(store_factory):
     receiver.connect(store_factory)  # its watcher waits for the key
     sender.connect(store_factory, watch=False)
     sender.request("SIGUSR1", signal.SIGUSR1)
-    deadline = 100
-    while receiver.requested is None and deadline:
-        import time
+    import time
+
+    deadline = time.monotonic() + 60  # a hang guard: one store round trip (milliseconds, seconds under load)
+    while receiver.requested is None and time.monotonic() < deadline:
         time.sleep(0.05)
-        deadline -= 1
     assert receiver.requested == "SIGUSR1"
 
 

@@ -126,10 +126,20 @@ def format_summary(summary: dict[str, Any]) -> str:
                 + (f"\n  {evaluation}" if summary.get("eval_loss") is not None else ""))
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
-            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}{_warmup_text(summary)}" + memory_line(summary)
             + (f"\n  packed documents: {summary['packed_efficiency']:.1%} of the token positions are real tokens"
                if summary.get("packed_efficiency") is not None else "")
             + _restarts_line(summary) + _lost_line(summary) + _membership_line(summary))
+
+
+def _warmup_text(summary: dict[str, Any]) -> str:
+    """After the steady rate: the warm-up steps apart, and the start-up (the command to the first step)."""
+    parts = []
+    if summary.get("warmup_steps") and summary.get("warmup_examples_per_sec") and summary.get("examples_per_sec"):
+        parts.append(f"after {summary['warmup_steps']} warm-up steps at {summary['warmup_examples_per_sec']:.1f}")
+    if summary.get("startup_s") is not None:
+        parts.append(f"first step {summary['startup_s']:.1f} s after the start")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _nothing_trained(summary: dict[str, Any]) -> bool:

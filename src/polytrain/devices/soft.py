@@ -154,13 +154,26 @@ def device_error_for(exc: NotImplementedError) -> DeviceError | None:
     return None
 
 
-@contextlib.contextmanager
-def operator_errors() -> Iterator[None]:
+class _OperatorErrors:
+    """The context :func:`operator_errors` returns: one object for every use (it holds nothing), entered at every
+    training step at the cost of two method calls."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if kind is not None and issubclass(kind, NotImplementedError):
+            error = device_error_for(exc)  # type: ignore[arg-type]
+            if error is not None:
+                raise error from exc
+        return False
+
+
+_OPERATOR_ERRORS = _OperatorErrors()
+
+
+def operator_errors() -> contextlib.AbstractContextManager[None]:
     """Turn PyTorch's missing-kernel NotImplementedError raised inside the block into a DeviceError."""
-    try:
-        yield
-    except NotImplementedError as exc:
-        error = device_error_for(exc)
-        if error is None:
-            raise
-        raise error from exc
+    return _OPERATOR_ERRORS

@@ -35,6 +35,7 @@ from torch import nn
 #: (but a bucketed language-model run's first steps may be shorter than its longest)
 MEASURED_STEPS = 4
 MIB = float(1 << 20)
+_NOTHING = contextlib.nullcontext()
 
 
 # -- what autograd saves for backward -------------------------------------------------------------------
@@ -231,6 +232,11 @@ class MemoryMeter:
         self._carried = 0  # the peak before a block measured apart (which starts the peak over)
         reset_peak(self.device)
 
+    @property
+    def done(self) -> bool:
+        """Whether the measured steps are over (a later step needs no :meth:`step`)."""
+        return len(self._peaks) >= self.measured_steps
+
     @contextlib.contextmanager
     def apart(self) -> Iterator[Measured]:
         """Measure the block's own peak above what is in use at its start (the run's peak so far is kept)."""
@@ -243,12 +249,14 @@ class MemoryMeter:
         finally:
             measured.need = max(0, peak_bytes(self.device) - start)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> contextlib.AbstractContextManager[None]:
         """Around one training step: its activations are counted if it is one of the first steps."""
-        if len(self._peaks) >= self.measured_steps:
-            yield
-            return
+        if self.done:
+            return _NOTHING
+        return self._measured()
+
+    @contextlib.contextmanager
+    def _measured(self) -> Iterator[None]:
         counter = SavedTensors()
         with counter.hooks():
             yield
