@@ -1,7 +1,7 @@
-"""Every ```python block of docs/*.md runs, and README.md runs top to bottom, so an example that stops working fails
-the suite.
+"""Every ```python block of README.md and docs/*.md runs, so an example that stops working fails the suite; README.md
+also runs top to bottom (with POLYTRAIN_README_TEST=1: it takes many minutes).
 
-Each docs block is written to a file in a fresh temporary directory and run as a script (a script's functions are
+Each python block is written to a file in a fresh temporary directory and run as a script (a script's functions are
 what ``launch``'s workers import by name) with this checkout's sources on PYTHONPATH. A block that cannot run here
 is marked on the line right before it, with the reason, and is skipped with that reason:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -55,9 +56,10 @@ def _blocks(page: Path) -> list[tuple[str, str, str, int]]:
 
 
 def _examples() -> list:
-    """The docs' python blocks (README.md's run in order with its commands, below)."""
+    """The python blocks of README.md and the docs, each on its own (README.md's also run in order with its
+    commands, below)."""
     return [pytest.param(code, before, id=f"{page.relative_to(ROOT)}:{line}")
-            for page in PAGES[1:] for language, code, before, line in _blocks(page) if language == "python"]
+            for page in PAGES for language, code, before, line in _blocks(page) if language == "python"]
 
 
 def _skip_reason(line_before: str) -> str | None:
@@ -98,6 +100,14 @@ def test_example_runs(code, line_before, tmp_path, cli_env):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, f"the example failed (exit {done.returncode}):\n{code}\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_examples_are_found_and_run():
+    """Guards the extraction itself: a changed fence or a stray marker would otherwise skip them silently."""
+    readme = [p for p in EXAMPLES if p.id.startswith("README.md:")]
+    assert len(readme) >= 2
+    assert all(_skip_reason(p.values[1]) is None for p in readme)
+    assert any("polytrain.launch(train" in p.values[0] for p in readme)  # the "your own loop" example
 
 
 def test_markers_name_a_reason():
@@ -214,13 +224,16 @@ def _outputs(text: str, count: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("POLYTRAIN_README_TEST"),
+                    reason="runs every README command (tens of minutes on a loaded 2-core machine): "
+                           "POLYTRAIN_README_TEST=1 runs it")
 def test_the_readme_runs_top_to_bottom(tmp_path, cli_env):
     work = tmp_path / "work"
     work.mkdir()
     steps, lines, skipped = _readme_steps(work)
     env = dict(cli_env, PYTHONPATH=SRC)  # this checkout only, as a reader's fresh install would be
     done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(steps), cwd=work, env=env,
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, done.stderr[-3000:]
     codes = json.loads(done.stdout.strip().splitlines()[-1])
     out, err = _outputs(done.stdout, len(steps)), _outputs(done.stderr, len(steps))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
