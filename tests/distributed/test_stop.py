@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -129,13 +129,15 @@ def test_first_signal_asks_second_stops_at_once():
 def test_one_signal_delivered_twice_counts_once_and_a_later_one_stops_at_once(monkeypatch):
     """``timeout`` and Slurm send a stop to the command and to its process group: the same signal twice within
     microseconds is one request; the same signal sent once the first was taken is a second signal."""
-    monkeypatch.setattr(stop_module, "REPEAT_WINDOW_S", 0.3)
+    clock = [100.0]  # the handler's clock, moved by the test: nothing here depends on the machine's speed
+    monkeypatch.setattr(stop_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     stop = StopSignal()
     with stop.handling():
         os.kill(os.getpid(), signal.SIGTERM)
+        clock[0] += stop_module.REPEAT_WINDOW_S / 2
         os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no StopNow
         assert stop.requested == "SIGTERM"
-        time.sleep(0.4)
+        clock[0] += stop_module.REPEAT_WINDOW_S
         with pytest.raises(StopNow) as raised:
             os.kill(os.getpid(), signal.SIGTERM)
         assert raised.value.signum == signal.SIGTERM

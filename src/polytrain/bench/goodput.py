@@ -6,11 +6,12 @@ processes, ``--strategy sync``, an unbounded ``--steps``, ``--log-every 1``) for
 time from its start, then stopped by SIGTERM (an orderly stop):
 
 * **undisturbed**: no checkpoint, no failure;
-* **max-restarts**: ``--max-restarts`` with ``--checkpoint-dir`` and ``--checkpoint-every-seconds C``; every
-  ``--failure-every`` seconds a random worker process is SIGKILLed; the launcher stops the others and starts
-  the job again from the latest checkpoint, redoing the steps since;
+* **max-restarts**: ``--max-restarts`` with ``--checkpoint-dir``, ``--checkpoint-every-seconds C`` and
+  ``--snapshot-every K`` (a snapshot in memory every K steps, with the bench's `--snapshot-every K`); every ``--failure-every`` seconds a random worker
+  process is SIGKILLed; the launcher stops the others and starts the job again from the latest snapshot (or
+  checkpoint), redoing the steps since;
 * **continue**: ``--on-failure continue`` (when the installed polytrain has it): the survivors go on without
-  the killed worker; no checkpoint.
+  the killed worker, whichever it was (rank 0 too: the lowest survivor logs from then on); no checkpoint.
 
 A job's *useful steps* are its progress when the duration is up: the step of the last step record in its metrics
 file at that moment (a restarted job's steps redone after a restart count once: the record is the step the
@@ -72,6 +73,7 @@ class GoodputBenchConfig:
     duration: float = 600.0  # seconds of wall time per job
     failure_every: float = 60.0  # seconds between kills
     checkpoint_every_seconds: float = 30.0  # the max-restarts job's checkpoints
+    snapshot_every: int = 0  # the max-restarts job's snapshots in memory, every this many steps (0: none)
     heartbeat_timeout: float = 8.0
     timeout: float = 300.0
     sides: tuple[str, ...] = SIDES
@@ -118,6 +120,8 @@ def command(cfg: GoodputBenchConfig, side: str, workdir: Path) -> list[str]:
     if side == "max-restarts":
         cmd += ["--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every-seconds",
                 f"{cfg.checkpoint_every_seconds:g}", "--max-restarts", str(cfg.kills + 10)]
+        if cfg.snapshot_every:
+            cmd += ["--snapshot-every", str(cfg.snapshot_every)]
     elif side == "continue":  # --max-restarts: a replacement joins for each lost worker (no checkpoint needed)
         cmd += ["--on-failure", "continue", "--max-restarts", str(cfg.kills + 10)]
     return cmd
@@ -198,8 +202,6 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
                 break
             if due and time.monotonic() >= due[0]:
                 victims = workers_of(proc.pid)
-                if side == "continue":
-                    victims.pop(0, None)  # rank 0 logs and writes the metrics this suite reads
                 if victims:
                     rank = rng.choice(sorted(victims))
                     with _suppress():

@@ -61,7 +61,8 @@ median step) and the speed ratio tp / plain (median of the per-repeat ratios, wi
 
 --suite goodput: polytrain train (sync, --workers 4) run for --duration seconds of wall time (600) three ways:
 undisturbed; with a random worker SIGKILLed every --failure-every seconds (60) and --max-restarts, a checkpoint
-every --checkpoint-every-seconds (30); and the same failures with --on-failure continue. Useful steps (the
+every --checkpoint-every-seconds (30) and, with --snapshot-every K, a snapshot in memory every K steps; and the same
+failures with --on-failure continue. Useful steps (the
 step reached when the time is up) per second, and goodput = useful steps / the undisturbed job's. Three jobs:
 about 3 x --duration in all."""
 
@@ -145,6 +146,9 @@ def add_parser(sub: Any) -> None:
                         help="goodput: seconds between killed workers, e.g. 60s (default: 60)")
     parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
                         help="goodput: the --max-restarts job's checkpoint interval (default: 30)")
+    parser.add_argument("--snapshot-every", type=int, metavar="K",
+                        help="goodput: the --max-restarts job's snapshots in memory, every K steps (default: 0, "
+                             "none)")
     parser.add_argument("--jobs", type=_names, dest="sides", metavar="J,J,..",
                         help="goodput: which jobs (default: undisturbed,max-restarts,continue)")
     parser.add_argument("--quick", action="store_true",

@@ -11,9 +11,11 @@ sees a whole tensor.
 
 Equal to ``single`` on the whole batch: the slices' losses are weighed as ``sync``'s, the reduce-scatter
 averages; ``--accumulate K`` defers the reduce-scatter to the last micro-batch; ``--clip-grad-norm`` clips
-the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints and
-``--save-model`` hold the whole model and optimizer state as ``single`` saves them, so a run resumes into any
-strategy and any world size (the gather happens on the workers, one tensor at a time, into rank 0's memory).
+the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints are written in
+parts, each rank its rows (``sharded_state``), and read back by rows (``held_state``): a run resumes into any
+strategy and any world size, and a resumed fsdp rank reads only the rows it holds. ``--save-model DIR`` is
+written one tensor at a time (:mod:`polytrain.weights.save`); ``state_dict`` (``--save-model FILE.pt``) gathers
+the whole model into rank 0's memory, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, re
 from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
-from polytrain.models.parts import units
+from polytrain.models.parts import retie, unit_groups, units
+from polytrain.train.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -74,14 +77,14 @@ class FullyShardedDataParallel(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         if not self.topology.distributed:
+            self.held_state = HeldState(self)
             return materialize_all(model).to(self.topology.device)
         mesh, device = self.topology.mesh["dp"], self.topology.device
         reshard = bool(self.options.reshard_after_forward)
         policy = self._policy()
 
         def shard(name: str, unit: nn.Module) -> None:
-            if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
+            shard_group([unit], mesh, reshard_after_forward=reshard, **policy)
 
         if is_deferred(model) and weights_of(model) is not None:  # sharded on meta: each rank reads its rows
             materialize(model, device, before=shard)
@@ -91,12 +94,13 @@ class FullyShardedDataParallel(Strategy):
             if self.topology.is_main:
                 get_logger().warning(describe_whole_build(model, type(model).__name__))
             model = model.to(device)
-            for name, unit in units(model):
-                shard(name, unit)
+            for group in unit_groups(units(model)):  # units sharing a tensor (tied weights): one shard group
+                shard_group([unit for _, unit in group], mesh, reshard_after_forward=reshard, **policy)
         root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         self.sharded_state = _Shards(self)  # checkpoints in parts: each rank writes its shards
+        self.held_state = HeldState(self)  # ... and reads only its rows of any checkpoint
         return model
 
     def _policy(self, root: bool = False) -> dict[str, Any]:
@@ -164,6 +168,7 @@ class FullyShardedDataParallel(Strategy):
         by_name = get_optimizer_state_dict(self.model, self.optimizer, options=full) if optimizer else None  # rank 0's)
         if not self.trainers.is_main:
             return None
+        model = retie(model, self.model)  # a tied tensor one tensor, as single saves it
         if optimizer:  # the hyper-parameters as torch.optim keeps them (tuples stay tuples), the state by index
             groups = self.optimizer.state_dict()["param_groups"]
             by_name = {"state": _indexed(by_name["state"], self._names()), "param_groups": groups}
@@ -181,9 +186,20 @@ class FullyShardedDataParallel(Strategy):
             live.update({key: value for key, value in given.items() if key != "params"})  # (tuples stay tuples)
 
     def _names(self) -> list[str]:
-        """The parameters' names in the order ``single``'s optimizer numbers them."""
+        """The parameters' names in the order ``single``'s optimizer numbers them (those that train)."""
         assert self.model is not None
-        return [name for name, _ in self.model.named_parameters()]
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+
+def shard_group(modules: list[nn.Module], mesh: Any, **options: Any) -> None:
+    """``fully_shard`` the ``modules`` as one shard group (one all-gather, one reduce-scatter; a tensor they
+    share stays one tensor), if they hold a parameter that trains. A container without a forward of its own
+    (an ``nn.ModuleDict``) is left to the group of the module above it."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = [m for m in modules if type(m).forward is not nn.Module.forward]
+    if any(p.requires_grad for m in modules for p in m.parameters()):
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **options)
 
 
 class _Shards:

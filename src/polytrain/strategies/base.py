@@ -22,6 +22,12 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
   (``sync --balance``): ``rebalancing.slices(...)`` gives the slice of each step;
 * :attr:`sharded_state`: this rank holds a shard of the model and its optimizer state (``fsdp``): each rank
   writes its own part of a checkpoint, nothing gathered (``sharded_state.part()``).
+* :attr:`held_state`: what this rank holds of the model and optimizer (a whole replica, or ``DTensor`` shards)
+  is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
+  order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
+  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`; ``held_state.by_rows`` False: rank 0 reads
+  and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
+  one tensor at a time (:mod:`polytrain.weights.save`).
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
 overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).
@@ -79,6 +85,16 @@ class ShardedState(Protocol):
         """The model's signature (whole shapes) and the optimizer's ``param_groups``, as single's would be."""
 
 
+class HeldState(Protocol):
+    """What this rank holds is the run's state itself: a checkpoint is read into it, each rank its rows."""
+
+    by_rows: bool  # whether --resume reads on every rank (each its rows) rather than on rank 0 for all
+
+    def load(self, checkpoint: Any) -> None:
+        """Fill the model and optimizer from a :class:`~polytrain.train.lazy.LazyCheckpoint`, reading only what
+        this rank holds."""
+
+
 class Rebalancing(Protocol):
     """Slices of each global batch sized by the workers' measured speed."""
 
@@ -124,6 +140,7 @@ class Strategy:
         self.out_of_order: OutOfOrder | None = None
         self.rebalancing: Rebalancing | None = None
         self.sharded_state: ShardedState | None = None
+        self.held_state: HeldState | None = None
 
     # -- before anything starts ------------------------------------------------------------------------
 

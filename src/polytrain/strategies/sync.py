@@ -38,6 +38,7 @@ from polytrain.phases import interval, phase
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
+from polytrain.train.held import HeldState
 from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -76,6 +77,9 @@ class SyncDataParallel(Strategy):
 
     def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
+        # identical replicas: --save-model DIR writes rank 0's one tensor at a time; a resume reads the checkpoint on
+        # rank 0 and hands it to the others (its replicas may run on machines that share no file system)
+        self.held_state = HeldState(self, by_rows=False)
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None

@@ -44,7 +44,7 @@ import torch
 from polytrain.data.batches import Slice
 from polytrain.distributed.elastic import Generation, Membership, MembershipError
 from polytrain.errors import CommunicationError
-from polytrain.log import get_logger
+from polytrain.log import get_logger, setup_logging
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
 from polytrain.train.lr_schedules import scaled_lr
 from polytrain.train.on_failure import continuing
@@ -117,6 +117,7 @@ class ElasticRun:
                 failed = True
         if self.trainer.topology.is_main:
             self.membership.close()
+        summary["main_slot"] = self.membership.generation.slots[0]  # whose summary is the run's (train/run.py)
         summary["membership_changes"] = self.changes
         summary["slots_lost"] = [slot for c in self.changes for slot in c["lost"]]
         summary["slots_joined"] = [slot for c in self.changes for slot in c["joined"]]
@@ -188,8 +189,14 @@ class ElasticRun:
         self._write_ids(pending, old_index, old_generation, generation)
         seconds = time.perf_counter() - started
         record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
-                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
+                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3),
+                  "main_slot": generation.slots[0]}
         self.changes.append(record)
+        if trainer.topology.is_main and not run_log.enabled:  # rank 0 was lost: its duties are this rank's now
+            setup_logging(0, len(generation.slots), all_ranks=trainer.config.launch.log_all_ranks)
+            run_log.take_over()
+            get_logger().warning(f"worker slot {self.membership.slot} logs, evaluates and writes checkpoints from "
+                                 f"step {generation.step} (the lowest surviving worker)")
         if trainer.topology.is_main:
             run_log._write({"event": "membership", **record, "unix_time": time.time()})
             what = []
@@ -223,6 +230,7 @@ class ElasticRun:
         s.slice = slice_of(trainers.rank, trainers.world_size, s.plan.global_batch)
         s.step_slices = s.slice
         trainer.strategy, trainer.topology = strategy, trainers
+        trainer.timed.deciding = trainers.is_main  # (--checkpoint-every-seconds: rank 0's clock decides)
         trainer.stopping = trainer.stop.agreement(trainers.rank, trainers.world_size, trainers.timeout)
         self._wrap(strategy)
 

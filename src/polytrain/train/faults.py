@@ -41,6 +41,9 @@ class RestartConfig:
     checkpoint_every_seconds: float | None = option(None, "also checkpoint once S seconds have passed since the "
                                                           "last checkpoint (decided at log points)",
                                                     minimum=0.001, metavar="S")
+    snapshot_every: int = option(0, "with --max-restarts: also write the state every K steps to this machine's "
+                                    "memory (in the background), where a restart resumes from it instead of the "
+                                    "disk's older checkpoint (0: none)", minimum=0, metavar="K")
 
 
 def attempt_number() -> int:

@@ -57,14 +57,6 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def usual_mode(path: Path) -> None:
-    """Give ``path`` the mode ``open`` gives a new file (0666 less the umask: 0644 usually), for a file a library
-    created with its own (safetensors writes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def discard(tmp: Path) -> int:
     """Remove a file if it is there (errors ignored); return its size (0: it was not there, or stays)."""
     try:

@@ -57,7 +57,7 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor):
+        if _is_parameter(tensor) or _holds_nothing(tensor):
             return tensor
         key, size = _storage(tensor)
         with self._lock:
@@ -97,6 +97,14 @@ class _Held:
 
 def _unpack(packed: Any) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Held) else packed
+
+
+def _holds_nothing(tensor: torch.Tensor) -> bool:
+    """A tensor with shapes only: on the meta device, or a fake one (a traced pipeline stage infers its
+    shapes on fake tensors in its first step; their sizes may be symbolic, which no count can hold)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -191,11 +199,9 @@ def peak_bytes(device: torch.device) -> int:
     peak resident set (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+    found = _status_bytes("VmHWM")
+    if found is not None:
+        return found
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB elsewhere
 
@@ -204,12 +210,18 @@ def current_bytes(device: torch.device) -> int:
     """What :func:`peak_bytes` counts, now: the memory allocated on a GPU, the resident set (``VmRSS``) here."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
+    found = _status_bytes("VmRSS")
+    return found if found is not None else peak_bytes(device)
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size field of this process's ``/proc/self/status`` in bytes (None: not on Linux)."""
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-    return peak_bytes(device)
+    return None
 
 
 @dataclass

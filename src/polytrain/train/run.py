@@ -17,6 +17,7 @@ from polytrain.data.registry import check_data_of, data_of
 from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
+from polytrain.weights.export import check_save_model
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
@@ -36,6 +37,7 @@ from polytrain.train.session import strategy_options
 from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
 from polytrain.train.straggler import check_stragglers
 from polytrain.train.unit_options import check_unit_options
+from polytrain.models.lora import check_lora
 from polytrain.train.trainer import train_worker
 
 
@@ -67,6 +69,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
     check_unit_options(config, model)
+    check_lora(config, model)
     check_on_failure(config, layout)
     check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
@@ -83,6 +86,7 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
     check_weights(config)  # --init-from, --model hf:DIR: there, readable
+    check_save_model(config.train.save_model, config.train.save_shard_size)  # --save-model DIR, its shard size
     if data is None:
         if is_import_path(config.data.data):  # a user's factory: its data built and checked, once, here
             bundle = data_of(config)
@@ -123,7 +127,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
     (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
     stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
     layout = layout_of(config) if under_torchrun() else check(config, model=model, data=data)
-    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker but rank 0 may be lost
+    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker may be lost
     results = launch(
         train_worker, config, model, data,
         device=config.device.device, backend=config.launch.backend, layout=layout,
@@ -134,6 +138,10 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         elastic=continuing(config), replacements=config.restart.max_restarts if continuing(config) else 0,
     )
     summary = results[0]  # under torchrun: this process's own
+    if continuing(config):  # the last membership's rank 0's: the launch's rank 0 may have been lost
+        summary = next((result for result in results if result is not None), None)
+        if isinstance(summary, dict) and isinstance(summary.get("main_slot"), int):
+            summary = results[summary["main_slot"]] or summary
     if isinstance(summary, dict) and summary.get("stopped"):
         raise stopped_error(summary, stop.requested if stop is not None else None)
     if under_torchrun() and int(os.environ["RANK"]) != 0:

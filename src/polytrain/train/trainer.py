@@ -38,11 +38,17 @@ from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.devices.soft import operator_errors
 from polytrain.errors import DivergedError, RunStopped
+from polytrain.models.lora import export as lora_export, lora_of
 from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
+from polytrain.train.background import CheckpointWrites
+from polytrain.train.snapshot import snapshot_due, snapshots_of
 from polytrain.train.files import atomic_save
 from polytrain.train.evaluation import EvalBatchSize, saved_first
+from polytrain.devices.memory_limit import parse_size
+from polytrain.weights.export import is_directory_target
+from polytrain.weights.save import save_model
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
@@ -85,6 +91,9 @@ class Trainer:
             if config.profile.profile else None
         self.eval_batch = EvalBatchSize(config, s.plan.global_batch, s.slice.count,  # under --memory-limit: fits
                                         len(s.data.test) if s.data.test is not None else 0)
+        self.writes = CheckpointWrites(config.checkpoint.checkpoint_background)  # train/background.py
+        self.snapshots = snapshots_of(config)  # --snapshot-every: in memory, in the background (train/snapshot.py)
+        self.snapshot_writes = CheckpointWrites(self.snapshots is not None, "snapshot")  # (none: no collective)
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
@@ -106,6 +115,8 @@ class Trainer:
             run_log.end(summary)
             return summary
         finally:
+            self.writes.wait()  # a checkpoint in flight is whole before the process goes on or ends
+            self.snapshot_writes.wait()
             run_log.close()
             if self.session.stream is not None:  # its reading thread
                 self.session.stream.close()
@@ -184,7 +195,9 @@ class Trainer:
                     and done != s.total_steps:
                 last_eval = self._evaluate(run_log, done)
             if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
-                self._checkpoint(done)
+                self._checkpoint(done, periodic=True)
+            elif self.snapshots is not None and snapshot_due(cfg, done, s.total_steps):
+                self._checkpoint(done, periodic=True, snapshot=True)
         saved = []  # the result first (train/evaluation.py): an evaluation that fails loses nothing
         if s.checkpointer:
             saved += self._checkpoint(step)
@@ -338,21 +351,53 @@ class Trainer:
                 raise
             raise error from exc
 
-    def _checkpoint(self, step: int) -> list[str]:
-        """Write step ``step``'s checkpoint (every trainer rank); what was written, on the trainers' rank 0."""
+    def _checkpoint(self, step: int, periodic: bool = False, snapshot: bool = False) -> list[str]:
+        """Write step ``step``'s checkpoint (every trainer rank), after the one in flight; a ``periodic`` one in
+        the background with --checkpoint-background (train/background.py); a ``snapshot`` in memory, in the
+        background (train/snapshot.py). What was written, on the trainers' rank 0 (a background write: once it
+        is settled, at the next checkpoint)."""
         self._check_finite()
-        self.timed.reset()
-        s = self.session
-        path = s.save_checkpoint(step)  # every rank (None: not written, warned: --on-checkpoint-error warn)
-        if self.topology.is_main and path is not None:
-            s.log.info(f"checkpoint: {path}")
+        s, started = self.session, time.perf_counter()
+        writes = self.snapshot_writes if snapshot else self.writes
+        if not snapshot:
+            self.timed.reset()
+        if not periodic:  # the last: the snapshot in flight settled too (a sharded one's commit is collective)
+            self.snapshot_writes.settle(self.topology)
+        written = [self._settled(writes.settle(self.topology), snapshot)]  # the previous one, if still in flight
+        s.save_checkpoint(step, writes, background=periodic, checkpointer=self.snapshots if snapshot else None)
+        if not (periodic and writes.background):
+            written.append(self._settled(writes.settle(self.topology)))
+        if periodic:
+            writes.stalls.append(time.perf_counter() - started)
+        path = written[-1] if len(written) == 2 else None  # (this checkpoint's, written in the foreground)
         return [f"checkpoint {path}"] if path is not None else []
+
+    def _settled(self, path: Any, snapshot: bool = False) -> Any:
+        """A checkpoint written (None: none, or warned: --on-checkpoint-error warn; or not the trainers' rank 0)."""
+        if self.topology.is_main and path is not None and not snapshot:
+            self.session.log.info(f"checkpoint: {path}")
+        return path
 
     def _save_model(self) -> list[str]:
         path = self.config.train.save_model
         if not path:
             return []
         self._check_finite()
+        adapters = lora_of(self.strategy.module)
+        if adapters is not None:  # --lora: the adapters in PEFT's format (--merge-lora: and the merged model)
+            state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
+            if not self.topology.is_main:
+                return []
+            lora_export(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), adapters, path,
+                        self.config.lora.merge_lora)
+            self.session.log.info(f"LoRA adapters saved to {path} (PEFT's format)")
+            return [f"--save-model {path}"]
+        if is_directory_target(path) or path.endswith(".safetensors"):  # one tensor at a time, never the whole
+            save_model(self.strategy, path, parse_size(self.config.train.save_shard_size))
+            if not self.topology.is_main:
+                return []
+            self.session.log.info(f"model saved to {path}")
+            return [f"--save-model {path}"]
         state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
         if not self.topology.is_main:
             return []
@@ -392,6 +437,8 @@ class Trainer:
             **strategy_numbers,
             **self.straggler.summary(self.topology),
             **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
+            **self.writes.summary(),
+            **self.snapshot_writes.summary(),
         }
 
 

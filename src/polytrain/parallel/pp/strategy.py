@@ -48,6 +48,8 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
+from polytrain.models.parts import retie, unit_groups
+from polytrain.parallel.fsdp import shard_group
 from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
@@ -225,12 +227,16 @@ class Pipeline(TracedRun, Strategy):
         assert self.optimizer is not None
         held = self.optimizer.state_dict()
         mesh = self.topology.mesh["dp"]
+        before = {s: dict(self.modules[s].named_parameters(remove_duplicate=False)) for s in self.mine}
         for stage in self.mine:
             module = self.modules[stage]
-            for unit in module:
-                if any(p.requires_grad for p in unit.parameters()):
-                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            parts, ignored = self._stage_parts(stage) if self.is_traced else \
+                (list(zip(self.split.stage_units(stage), module)), set())
+            for group in unit_groups(parts):  # units sharing a tensor (tied weights): one shard group
+                shard_group([unit for _, unit in group], mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+        if self.is_traced:  # the traced stages' modules are not the model's: its names take their shards
+            self._adopt_shards(before)
         self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
         self._stage_bytes = sum(p.numel() * p.element_size() for p in self.owned)
         self.optimizer = self._make_optimizer(self.model.parameters())
@@ -299,12 +305,18 @@ class Pipeline(TracedRun, Strategy):
             try:
                 chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
                 return chosen if self.split is None else self.split
-            except ConfigError:
+            except ConfigError as exc:
                 if traced_error is not None:
                     raise traced_error from None
-                if chain_kind(self.model) or self._maker is not None:
-                    raise
-        return self._choose_traced(sample, labels)
+                if (chain_kind(self.model) or self._maker is not None) and self.split is not None:
+                    raise  # (cut by --split-at before the first step: a chain it must be)
+                traced_error = exc if chain_kind(self.model) or self._maker is not None else None
+        try:  # not a chain of units (nanoGPT's forward adds position embeddings): the tracer cuts it
+            return self._choose_traced(sample, labels)
+        except ConfigError:
+            if traced_error is not None:  # built as a chain of units (init_unit): its own reason first
+                raise traced_error from None
+            raise
 
     def _release_others(self) -> None:
         """Keep only this rank's stages resident: the other units' tensors are emptied in place (their
@@ -407,6 +419,9 @@ class Pipeline(TracedRun, Strategy):
         with self.amp.autocast():
             if self.is_traced:
                 out = self._traced_eval(inputs, targets)
+                if self.sharded:  # gathered for the forward: back to this rank's shards
+                    for module in self.modules.values():
+                        _reshard(module)
                 return None if out is None else torch.stack(
                     [v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
@@ -466,7 +481,7 @@ class Pipeline(TracedRun, Strategy):
             return None
         for part in parts:
             whole.update(part)
-        return self._retie(whole)
+        return retie(whole, self.model)
 
     def _optimizer_state(self) -> dict[str, Any]:
         """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
