@@ -25,7 +25,8 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
 * :attr:`held_state`: what this rank holds of the model and optimizer (a whole replica, or ``DTensor`` shards)
   is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
   order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
-  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`), and ``--save-model DIR`` is written from it
+  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`; ``held_state.by_rows`` False: rank 0 reads
+  and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
   one tensor at a time (:mod:`polytrain.weights.save`).
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
@@ -86,6 +87,8 @@ class ShardedState(Protocol):
 
 class HeldState(Protocol):
     """What this rank holds is the run's state itself: a checkpoint is read into it, each rank its rows."""
+
+    by_rows: bool  # whether --resume reads on every rank (each its rows) rather than on rank 0 for all
 
     def load(self, checkpoint: Any) -> None:
         """Fill the model and optimizer from a :class:`~polytrain.train.lazy.LazyCheckpoint`, reading only what

@@ -77,7 +77,9 @@ class SyncDataParallel(Strategy):
 
     def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
-        self.held_state = HeldState(self)  # identical replicas: a resume reads the checkpoint into each
+        # identical replicas: --save-model DIR writes rank 0's one tensor at a time; a resume reads the checkpoint on
+        # rank 0 and hands it to the others (its replicas may run on machines that share no file system)
+        self.held_state = HeldState(self, by_rows=False)
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None

@@ -274,12 +274,14 @@ class Checkpointer:
         others = [self.path(step) for step in reversed(self.steps())]
         return ([latest] if latest else []) + [p for p in others if p != latest]
 
-    def choose(self, expected: Signature | None = None, map_location: str | torch.device = "cpu") -> Choice:
+    def choose(self, expected: Signature | None = None, map_location: str | torch.device = "cpu",
+               lazy: bool = False) -> Choice:
         """The newest checkpoint that passes :func:`~polytrain.train.integrity.verify` (against the model
-        ``expected``, if given), loaded, with the newer ones that did not."""
+        ``expected``, if given), loaded (``lazy``: mapped, its parts not put together), with the newer ones
+        that did not."""
         choice = Choice(None)
         for path in self.candidates():
-            verdict = verify(path, expected, map_location)
+            verdict = verify(path, expected, map_location, lazy)
             if verdict.ok:
                 choice.good = verdict
                 return choice

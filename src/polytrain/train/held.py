@@ -23,8 +23,12 @@ from polytrain.weights.fill import check_fits, fill, read_held
 class HeldState:
     """What ``strategy`` holds, filled from a checkpoint (see the module docstring)."""
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: Any, by_rows: bool = True):
         self.strategy = strategy
+        #: whether ``--resume`` reads the checkpoint on every rank (each its rows) rather than on rank 0, which
+        #: hands it to the others: every rank then reads the checkpoint directory (on several machines, a shared
+        #: file system, as fsdp's parts need anyway)
+        self.by_rows = by_rows
         #: after :meth:`load`: (bytes this rank read, bytes of the checkpoint's model and optimizer tensors)
         self.read: tuple[int, int] = (0, 0)
 

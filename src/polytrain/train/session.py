@@ -44,6 +44,7 @@ from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.background import CheckpointWrites, copy_state
 from polytrain.train.integrity import signature
+from polytrain.train.lazy import open_verified
 from polytrain.train import reshard
 from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
@@ -335,15 +336,18 @@ def _resume(s: Session) -> None:
     if s.checkpointer is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     trainers = s.strategy.trainers
+    # a rank whose holdings are the run's state reads only its rows of the checkpoint, itself (held_state);
+    # any other gets the whole state from the trainers' rank 0
+    held = s.strategy.held_state if s.strategy.held_state is not None and s.strategy.held_state.by_rows else None
     found: tuple[dict[str, Any] | None, str | None, str | None] = (None, None, None)  # state, its file, error
     if trainers.is_main:
         # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
         # the model's own state_dict says which tensors a checkpoint of it holds
         choice = s.checkpointer.choose(file_signature(signature(s.strategy.module.state_dict()),
-                                                      s.strategy.amp.precision))
+                                                      s.strategy.amp.precision), lazy=held is not None)
         warn_choice(choice, s.log.warning, "--resume: ")
         if choice.good is not None:
-            found = (choice.good.state, str(choice.good.path), None)
+            found = (choice.good.state if held is None else {}, str(choice.good.path), None)
         elif choice.rejected:
             found = (None, None, f"--resume: {choice.no_good_message(s.checkpointer.directory)}")
     # every trainer raises the same error, rather than the others waiting for rank 0's end
@@ -353,6 +357,9 @@ def _resume(s: Session) -> None:
     if state is None:
         s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
         return
+    checkpoint = open_verified(path) if held is not None else None  # (verified by rank 0: mapped, not read)
+    if checkpoint is not None:
+        state = checkpoint.run
     saved = state["config"]
     current = s.config.flat()
     defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
@@ -363,7 +370,10 @@ def _resume(s: Session) -> None:
     note = resume_note(saved, s.strategy.amp.precision)
     if note and trainers.is_main:
         s.log.info(note)
-    s.strategy.load_state_dict(state)
+    if checkpoint is not None:
+        held.load(checkpoint)
+    else:
+        s.strategy.load_state_dict(state)
     s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
     s.weights = f"weights from the checkpoint of step {s.start_step}"
@@ -373,7 +383,9 @@ def _resume(s: Session) -> None:
     else:
         s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
-    s.log.info(f"resumed from step {s.start_step} ({path})")
+    read = f"; rank 0 read {held.read[0] / 2**20:.1f} of the checkpoint's {held.read[1] / 2**20:.1f} MiB of tensors " \
+        "(the rows it holds)" if checkpoint is not None and held.read[0] < held.read[1] else ""
+    s.log.info(f"resumed from step {s.start_step} ({path}){read}")
     if s.start_step >= s.total_steps and trainers.is_main:
         s.log.warning(_nothing_left_message(s))
 

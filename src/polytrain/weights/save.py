@@ -43,7 +43,7 @@ def save_model(strategy: Any, target: str | Path, max_bytes: int = DEFAULT_SHARD
     target = Path(target)
     trainers = strategy.trainers
     config_text = hf_config_text(strategy.module)
-    if strategy.held_state is not None:  # the ranks' tensors are the model: each writes its own files
+    if strategy.held_state is not None:  # the ranks' tensors are the model: written from them, one at a time
         tables = trainers.all_gather_object(_held(strategy.module))
         if _save_held(strategy, tables, target, config_text, max_bytes):
             return
