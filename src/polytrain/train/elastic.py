@@ -44,7 +44,7 @@ import torch
 from polytrain.data.batches import Slice
 from polytrain.distributed.elastic import Generation, Membership, MembershipError
 from polytrain.errors import CommunicationError
-from polytrain.log import get_logger, setup_logging
+from polytrain.log import get_logger
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
 from polytrain.train.lr_schedules import scaled_lr
 from polytrain.train.on_failure import continuing
@@ -89,6 +89,7 @@ class ElasticRun:
         self.snapshot: dict[str, Any] | None = None
         self.changes: list[dict[str, Any]] = []
         self._carry: tuple[Any, ...] | None = None  # a change under way: the state it continues from
+        self._waited = False  # (tests, JOIN_AT_ENV: this process waited for a joiner once already)
         self._remember(trainer.strategy)
         self._use(trainer.strategy)
         generation = membership.generation
@@ -117,7 +118,6 @@ class ElasticRun:
                 failed = True
         if self.trainer.topology.is_main:
             self.membership.close()
-        summary["main_slot"] = self.membership.generation.slots[0]  # whose summary is the run's (train/run.py)
         summary["membership_changes"] = self.changes
         summary["slots_lost"] = [slot for c in self.changes for slot in c["lost"]]
         summary["slots_joined"] = [slot for c in self.changes for slot in c["joined"]]
@@ -148,8 +148,11 @@ class ElasticRun:
             at = os.environ.get(JOIN_AT_ENV)
             if at is None:
                 mine = self.membership.joiners_waiting()
-            elif step >= int(at):  # (tests: admitted at the first boundary from step S, which waits for one)
-                mine = self.membership.wait_for_joiner()
+            elif step >= int(at):  # (tests: admitted at the first boundary from step S, which waits for one,
+                # once: a replacement that died before it was admitted leaves none to come, and a wait at every
+                # boundary would outlast the others' collective, again and again)
+                mine = self.membership.joiners_waiting() if self._waited else self.membership.wait_for_joiner()
+                self._waited = True
         return agree_with_rank0(trainers)(mine)
 
     def _keep(self, strategy: Any) -> None:
@@ -189,14 +192,8 @@ class ElasticRun:
         self._write_ids(pending, old_index, old_generation, generation)
         seconds = time.perf_counter() - started
         record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
-                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3),
-                  "main_slot": generation.slots[0]}
+                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
         self.changes.append(record)
-        if trainer.topology.is_main and not run_log.enabled:  # rank 0 was lost: its duties are this rank's now
-            setup_logging(0, len(generation.slots), all_ranks=trainer.config.launch.log_all_ranks)
-            run_log.take_over()
-            get_logger().warning(f"worker slot {self.membership.slot} logs, evaluates and writes checkpoints from "
-                                 f"step {generation.step} (the lowest surviving worker)")
         if trainer.topology.is_main:
             run_log._write({"event": "membership", **record, "unix_time": time.time()})
             what = []
@@ -230,7 +227,6 @@ class ElasticRun:
         s.slice = slice_of(trainers.rank, trainers.world_size, s.plan.global_batch)
         s.step_slices = s.slice
         trainer.strategy, trainer.topology = strategy, trainers
-        trainer.timed.deciding = trainers.is_main  # (--checkpoint-every-seconds: rank 0's clock decides)
         trainer.stopping = trainer.stop.agreement(trainers.rank, trainers.world_size, trainers.timeout)
         self._wrap(strategy)
 

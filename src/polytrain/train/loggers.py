@@ -17,7 +17,6 @@ config, each step's and evaluation's numbers under TensorBoard's names, the summ
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,25 +100,6 @@ class RunLog:
         if tracking is not None and tracking.tracker:
             from polytrain.train.trackers import open_trackers  # imports a tracker's library: only when asked for
             self._trackers = open_trackers(tracking)
-        self._open_sinks()
-
-    def take_over(self) -> None:
-        """This rank logs from now on (``--on-failure continue``: rank 0 was lost and this rank is the lowest
-        survivor): the metrics file (appended to), TensorBoard and the console go on here; a tracker's run
-        (``--tracker``) was the lost rank's and is not resumed."""
-        if self.enabled:
-            return
-        self.enabled = True
-        metrics = Path(self.cfg.metrics_file) if self.cfg.metrics_file else None
-        if metrics is not None and metrics.is_file() and metrics.stat().st_size:
-            with open(metrics, "rb+") as fh:  # a record the lost rank left half-written ends here, on its own line
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
-                    fh.write(b"\n")
-        self._open_sinks()
-
-    def _open_sinks(self) -> None:
-        cfg, total_steps = self.cfg, self.total_steps
         use_bar = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
         if use_bar:
             from tqdm import tqdm

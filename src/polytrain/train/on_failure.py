@@ -30,9 +30,7 @@ class OnFailureConfig:
     on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
                                      "from its latest checkpoint) or continue (sync, local-sgd, diloco: the others "
                                      "go on from the current step with the same global batch over fewer workers; "
-                                     "any worker may die, rank 0 included, whose logging, evaluation and "
-                                     "checkpoints move to the lowest survivor; with --max-restarts R a replacement "
-                                     "joins, up to R times)", choices=CHOICES)
+                                     "with --max-restarts R a replacement joins, up to R times)", choices=CHOICES)
 
 
 def continuing(config: Any) -> bool:
@@ -51,9 +49,8 @@ def check_on_failure(config: Any, layout: Any) -> None:
                           f"--on-failure stop with --max-restarts and checkpoints, or --strategy "
                           f"{' | '.join(supported)}")
     if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
-        raise ConfigError("--on-failure continue needs polytrain's own launcher (--workers N), whose process holds "
-                          "the job's store and supervision apart from every worker: under torchrun, srun or mpirun "
-                          "the agent restarts every worker when one dies; use --on-failure stop there")
+        raise ConfigError("--on-failure continue needs polytrain's own launcher (--workers N): under torchrun the "
+                          "agent restarts every worker when one dies; use --on-failure stop there")
     if layout.processes < 2:
         raise ConfigError("--on-failure continue needs at least 2 workers (--workers N)")
     from polytrain.distributed.launch import resolve_backend
@@ -75,8 +72,8 @@ def check_on_failure(config: Any, layout: Any) -> None:
 
 
 def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
-    """The config and layout to launch an ``--on-failure continue`` job with: any worker may be lost (rank 0's
-    duties move to the lowest survivor), the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
+    """The config and layout to launch an ``--on-failure continue`` job with: every worker but rank 0 may be
+    lost, the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
     sync averages through the process group (shared memory cannot be rebuilt over the survivors)."""
     if not continuing(config):
         return config, layout
@@ -86,4 +83,4 @@ def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
     section = getattr(config, get_strategy(config.train.strategy).config_section, None)
     if getattr(section, "comm", None) == "auto":
         section.comm = "backend"
-    return config, replace(layout, expendable=tuple(range(layout.processes)))
+    return config, replace(layout, expendable=tuple(range(1, layout.processes)))

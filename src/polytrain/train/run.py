@@ -127,7 +127,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
     (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
     stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
     layout = layout_of(config) if under_torchrun() else check(config, model=model, data=data)
-    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker may be lost
+    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker but rank 0 may be lost
     results = launch(
         train_worker, config, model, data,
         device=config.device.device, backend=config.launch.backend, layout=layout,
@@ -138,10 +138,6 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         elastic=continuing(config), replacements=config.restart.max_restarts if continuing(config) else 0,
     )
     summary = results[0]  # under torchrun: this process's own
-    if continuing(config):  # the last membership's rank 0's: the launch's rank 0 may have been lost
-        summary = next((result for result in results if result is not None), None)
-        if isinstance(summary, dict) and isinstance(summary.get("main_slot"), int):
-            summary = results[summary["main_slot"]] or summary
     if isinstance(summary, dict) and summary.get("stopped"):
         raise stopped_error(summary, stop.requested if stop is not None else None)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
