@@ -2,6 +2,7 @@
 (inspect and export, which start no worker, through the command's ``main`` in this process)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,9 @@ def _export_equals_saved(sharded, capsys, path, reader, kind):
     assert f"(4 tensors, {kind})" in out.stdout
     exported, saved = reader(path), torch.load(sharded / "model.pt", weights_only=True)
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file (0644), safetensors' too
 
 
 def test_a_sharded_runs_parts_are_inspected_and_exported_in_singles_layout(sharded, tmp_path, capsys):

@@ -15,14 +15,20 @@ def test_help_reads_well(capsys):
     top = run_here(capsys, "--help")
     assert top.returncode == 0 and "train" in top.stdout and "devices" in top.stdout
     train = run_here(capsys, "train", "--help")
-    assert train.returncode == 0
+    full = run_here(capsys, "train", "--help-all")
+    assert train.returncode == 0 and full.returncode == 0
     for heading in ("training:", "model:", "data:", "optimizer and learning rate:", "workers and launcher:",
                     "checkpoints:", "logging:", "devices and placement:"):
-        assert heading in train.stdout
-    for flag in ("--config", "--strategy", "--device", "--batch-size", "--steps", "--epochs", "--lr-schedule",
-                 "--log-dir", "--metrics-file", "--save-model", "--checkpoint-dir", "--checkpoint-every",
-                 "--resume", "--workers", "--accumulate", "--seed", "--log-every", "--eval-every", "--optimizer"):
-        assert flag in train.stdout, flag
+        assert heading in train.stdout and heading in full.stdout
+    common = ("--config", "--strategy", "--device", "--batch-size", "--steps", "--epochs", "--lr-schedule",
+              "--log-dir", "--metrics-file", "--save-model", "--checkpoint-dir", "--checkpoint-every",
+              "--resume", "--workers", "--seed", "--eval-every", "--optimizer", "--help-all")
+    for flag in common:
+        assert flag in train.stdout and flag in full.stdout, flag
+    for flag in ("--accumulate", "--log-every", "--memory-limit", "--stages", "--tp", "--max-restarts"):
+        assert f"  {flag} " not in train.stdout and f"  {flag} " in full.stdout, flag  # --help-all only
+    assert "strategy async (parameter servers):" in full.stdout and "strategy async" not in train.stdout
+    assert len(train.stdout.splitlines()) * 3 < len(full.stdout.splitlines())  # short: the ~20 most runs set
 
 
 def test_devices_lists_the_cpu(capsys):
@@ -64,6 +70,8 @@ BAD_INPUT = [
     (["--workers", "0"], "--workers: must be a whole number >= 1"),
     (["--backend", "mpi"], "--backend: unknown value 'mpi'; accepted: auto, gloo, nccl"),
     (["--batch-size", "63", "--workers", "2"], "--batch-size 63 does not divide over 2 workers"),
+    (["--workers", "3"], "--batch-size 64 does not divide over 3 workers; pass a multiple of 3 (--batch-size 63 or "
+                         "66), or --worker-batch-size B"),  # the default batch: the sizes that fit
     (["--lr-schedule", "exponential:rate=0.1"], "missing decay_steps"),
     (["--nope"], "unrecognized arguments: --nope"),
     # checked before any worker starts: no "[rank 0]" in front

@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_single_and_fsdp_train_the_same_adapters_and_only_they_are_in_the_optimizer(runs):
     single, fsdp = (safetensors.load_file(str(runs[n][1] / "adapter_model.safetensors")) for n in ("single", "fsdp"))
     assert sorted(single) == sorted(fsdp) and len(single) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
@@ -54,6 +55,7 @@ def test_single_and_fsdp_train_the_same_adapters_and_only_they_are_in_the_optimi
     assert runs["single"][0]["rank_memory_bytes"][0]["optimizer"] == adam_bytes
 
 
+@pytest.mark.slow
 def test_the_export_loads_in_peft_and_the_merged_model_gives_the_same_logits(runs):
     from peft import PeftModel
     from transformers import LlamaForCausalLM

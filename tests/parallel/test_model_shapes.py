@@ -2,7 +2,7 @@
 nanoGPT's shape (blocks in an ``nn.ModuleDict``, ``lm_head`` tied to ``transformer.wte``) loaded with
 ``load_state_dict``, and a transformers Llama (rotary embeddings, grouped-query attention) loaded with
 ``from_pretrained``; fsdp 2, a traced pipeline of 2 stages, tp 2 with the plan transformers ships, and
-hybrid 2 x 2 with ``--shard-dp``. Each equals ``single`` after 3 SGD steps, and keeps a tie tied.
+hybrid 2 x 2 with ``--shard-dp`` (also a tied GPT-2, its tied tensor on both stages). Each equals ``single`` after 3 SGD steps, and keeps a tie tied.
 
 The cases of one world size run in the same worker processes, one after the other (each worker imports
 transformers once)."""
@@ -32,6 +32,8 @@ CASES = {  # name: (model, world size, settings)
     "tp-llama": ("llama", 2, dict(strategy="tp", workers=2, tp=2)),
     "hybrid-shard-llama": ("llama", 4, dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2,
                                             shard_dp=True)),
+    "hybrid-shard-gpt2": ("gpt2", 4, dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2,
+                                          shard_dp=True)),  # wte and lm_head tied across the two stages
 }
 
 
@@ -48,7 +50,8 @@ def runs(tmp_path_factory):
     text = root / "words.txt"
     text.write_text(" ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]) for _ in range(700)))
     args = {"nanogpt": {"path": str(zoo.write_state(root / "nanogpt.pt", seed=4))},
-            "llama": {"path": str(zoo.write_pretrained("llama", root / "llama", seed=7))}}
+            "llama": {"path": str(zoo.write_pretrained("llama", root / "llama", seed=7))},
+            "gpt2": {"path": str(zoo.write_pretrained("gpt2", root / "gpt2", seed=8))}}
     common = dict(data=f"text:file={text},seq_len=16", batch_size=8, steps=3, optimizer="sgd", lr=0.5, seed=3,
                   progress="off", eval_every=0, log_every=3, timeout=120)
     for model in args:
@@ -76,5 +79,5 @@ def test_each_model_under_each_strategy_equals_single(runs, name):
     if model == "nanogpt":
         loaded = torch.load(root / "nanogpt.pt", weights_only=True)
         assert max((single[k] - v).abs().max().item() for k, v in loaded.items()) > 1e-4  # the steps moved them
-        # the tied tensor is one tensor in what is saved, as single saves it
+    if model in ("nanogpt", "gpt2"):  # the tied tensor is one tensor in what is saved, as single saves it
         assert got["lm_head.weight"].data_ptr() == got["transformer.wte.weight"].data_ptr()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +26,7 @@ from polytrain.devices.discovery import available_device_names
 from polytrain.devices.placement import to_device
 from polytrain.devices.spec import LOGGER_NAME
 from polytrain.errors import DeviceError
+from polytrain.log import EVERY_RANK
 
 # PyTorch's wording for a missing kernel, with the operator and the backend it lacks
 _MISSING_KERNEL = (
@@ -66,7 +67,7 @@ class SoftPlacementMode(TorchDispatchMode):
         if name not in self.fallen_back:
             self.log.warning("soft placement: operator %s is not implemented for %s (%s); running it on %s with "
                              "its inputs moved there and its outputs moved back (logged once per operator)",
-                             name, home, _first_line(exc), self.fallback)
+                             name, home, _first_line(exc), self.fallback, extra=EVERY_RANK)
         self.fallen_back[name] = self.fallen_back.get(name, 0) + 1
         moved_args, moved_kwargs = to_device(args, self.fallback), to_device(kwargs, self.fallback)
         try:

@@ -155,7 +155,8 @@ class StopSignal:
     # -- signals -------------------------------------------------------------------------------------
 
     def install(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING,
-                nudged: bool = False) -> Callable[[], None]:
+                nudged: bool = False, saves: str = "after a checkpoint there if the run has a checkpoint "
+                                                   "directory") -> Callable[[], None]:
         """From now on the first stop signal calls :meth:`request` and says so (at ``level``), a later one
         ``at_once(signum)`` (default: raise :class:`StopNow`, or leave it to :meth:`check` while
         :meth:`deferring`); with ``nudged`` (a launched worker), the launcher's :data:`NUDGE` marks a request
@@ -176,9 +177,8 @@ class StopSignal:
                 name = signal_name(signum)
                 try:
                     self.request(name, signum)  # (already requested by another process: no matter)
-                    get_logger().log(level, f"{name}: stopping in order at a step every rank agrees on, after a "
-                                            "checkpoint there if the run has a checkpoint directory; a second "
-                                            "signal stops at once")
+                    get_logger().log(level, f"{name}: stopping in order at a step every rank agrees on"
+                                            + (f", {saves}" if saves else "") + "; a second signal stops at once")
                 finally:
                     first[1] = time.monotonic()
             else:
@@ -200,10 +200,12 @@ class StopSignal:
         return restore
 
     @contextlib.contextmanager
-    def handling(self, at_once: Callable[[int], None] | None = None,
-                 level: int = logging.WARNING) -> Iterator["StopSignal"]:
-        """:meth:`install` for the duration of the block."""
-        restore = self.install(at_once, level)
+    def handling(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING,
+                 saves: str = "after a checkpoint there if the run has a checkpoint directory",
+                 ) -> Iterator["StopSignal"]:
+        """:meth:`install` for the duration of the block; ``saves``: what the stop step keeps, as its line says
+        ("" for nothing)."""
+        restore = self.install(at_once, level, saves=saves)
         try:
             yield self
         finally:

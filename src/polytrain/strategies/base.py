@@ -305,9 +305,11 @@ class Strategy:
 def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
     """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""
     if slices > 1 and global_batch % slices:
+        below, above = global_batch // slices * slices, (global_batch // slices + 1) * slices
+        fits = f"{below} or {above}" if below else f"{above}"
         raise ConfigError(
             f"--batch-size {global_batch} does not divide over {slices} workers; pass a multiple of "
-            f"{slices}, or --worker-batch-size B for B examples per worker"
+            f"{slices} (--batch-size {fits}), or --worker-batch-size B for B examples per worker"
         )
     per = global_batch // slices
     if per % accumulate:

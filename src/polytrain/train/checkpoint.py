@@ -27,7 +27,7 @@ import torch
 
 from polytrain.distributed.lifetime import end_if_orphaned
 from polytrain.errors import CheckpointError, ConfigError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 from polytrain.options import option, register_section
 from polytrain.train.files import (atomic_write_text, check_room, discard, disk_problem, estimate_bytes, fsync_dir,
                                    on_disk, os_error, save_to, tmp_path, write_text_to)
@@ -120,7 +120,7 @@ class Checkpointer:
             if self.on_error != "warn":
                 raise CheckpointError(f"{message}; {problem[1]} or give another --checkpoint-dir") from None
             get_logger().warning(f"{message}; going on without it (--on-checkpoint-error warn), the next "
-                                 "checkpoint tries again")
+                                 "checkpoint tries again", extra=EVERY_RANK)
             return None
         self._prune(step)
         return path
@@ -166,7 +166,7 @@ class Checkpointer:
                 raise CheckpointError(f"{message}; {fix} or give another --checkpoint-dir")
             if group.is_main:
                 get_logger().warning(f"{message}; going on without it (--on-checkpoint-error warn), the next "
-                                     "checkpoint tries again")
+                                     "checkpoint tries again", extra=EVERY_RANK)
             return None
         if not group.is_main:
             return path

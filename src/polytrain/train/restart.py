@@ -61,7 +61,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
     adopt()  # a task of srun or mpirun joins its job as a torchrun worker does (distributed/cluster.py)
     check_restarts(config)
     stop = StopSignal()  # a stop signal, from here to the end, stops the run in order (distributed/stop.py)
-    with stop.handling():
+    with stop.handling(saves="after a checkpoint there" if config.checkpoint.checkpoint_dir else ""):
         if under_torchrun():
             return _under_torchrun(config, model, data, stop)
         return _attempts(config, model, data, stop)

@@ -13,7 +13,7 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.registry import check_data_of
+from polytrain.data.registry import check_data_of, data_of
 from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
@@ -30,7 +30,9 @@ from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for, registered, strategy_class
 from polytrain.parallel.degrees import deprecated_flags
 from polytrain.strategies.settings import check_settings_read
+from polytrain.specs import is_import_path
 from polytrain.train.checkpoint import check_checkpoint_dir
+from polytrain.train.data_check import check_user_data
 from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
@@ -97,14 +99,26 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     check_weights(config)  # --init-from, --model hf:DIR: there, readable
     check_save_model(config.train.save_model, config.train.save_shard_size)  # --save-model DIR, its shard size
     if data is None:
-        size, bundle = check_data_of(config)
+        if is_import_path(config.data.data):  # a user's factory: its data built and checked, once, here
+            bundle = data_of(config)
+            _check_user_data(bundle, f"--data {config.data.data}", config, model)
+            size = len(bundle.train) if hasattr(bundle.train, "__len__") else None
+        else:
+            size, bundle = check_data_of(config)
         _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))
         if bundle is not None and bundle.task == "lm" and model is None:
             check_lm_model(bundle, config)  # the vocabulary, the positions, --pack: before any worker starts
         if bundle is not None and isinstance(bundle.train, TokenStream) and not config.checkpoint.resume:
             StreamPlan.make(bundle.train, config.global_batch(layout.slices), layout.slices)  # lanes, batch, chunks
+    else:
+        _check_user_data(data, f"data={data.name}", config, model)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return layout
+
+
+def _check_user_data(data: DataBundle, what: str, config: RunConfig, model: nn.Module | None) -> None:
+    check_user_data(data, what, model, config.model.model, config.model.model_args,
+                    own_loss=config.train.loss == "model")
 
 
 def _check_dataset_size(train_size: int | None, processes: int, global_batch: int) -> None:

@@ -62,6 +62,11 @@ from polytrain.train.startup import seconds_since_mark
 _NOTHING = contextlib.nullcontext()
 
 
+#: a first step this slow is said when it ends (a long one: a large model, --compile, activation checkpointing),
+#: rather than nothing until the first log point
+_SLOW_FIRST_STEP_S = 5.0
+
+
 class Trainer:
     """Trains one model as ``config`` says, in this worker process."""
 
@@ -172,6 +177,11 @@ class Trainer:
                 elapsed += straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
             meter.add(result.examples, elapsed, waited)
             run_log.advance()
+            if step == s.start_step and elapsed >= _SLOW_FIRST_STEP_S and 1 < cfg.log.log_every \
+                    and done < s.total_steps:
+                run_log.info(f"first step done in {elapsed:.1f} s; the next line at step "
+                             f"{min(s.total_steps, (done // cfg.log.log_every + 1) * cfg.log.log_every)} "
+                             f"(--log-every {cfg.log.log_every})")
             step = done
             kill.after_step(done)
             if done % log_every == 0 or done == total:

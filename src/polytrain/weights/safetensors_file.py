@@ -83,7 +83,7 @@ class SafetensorsFile:
         self.base, self.size = 8 + len(text), 8 + len(text) + start
         self.dtypes = {e.name: e.dtype for e in entries}
         self._written: set[str] = set()
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # (less the umask, as open() makes one)
         try:
             os.pwrite(self.fd, struct.pack("<Q", len(text)) + text, 0)
             os.ftruncate(self.fd, self.size)
