@@ -272,7 +272,7 @@ def _saved(model: nn.Module, stages: list[list[str]] | None, inputs: _Inputs, ba
     with mode, cast:
         x, y = inputs.make(batch, device)
         for index, stage in enumerate(stages or [[""]]):  # "": the whole model
-            counter = SavedTensors()
+            counter = SavedTensors(shapes=True)  # (its forward runs on fake or meta tensors)
             if index:
                 x = x.detach().clone().requires_grad_(x.is_floating_point())
             with counter.hooks():

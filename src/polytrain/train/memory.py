@@ -46,7 +46,9 @@ class SavedTensors:
     and until the last of them is released; parameters (and views of them, such as a weight's transpose) are
     state, not activations, and are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: bool = False) -> None:
+        #: count tensors that have shapes only (meta, fake): the memory plan's forward, whose sizes are concrete
+        self.shapes = shapes
         self.current = 0
         self.peak = 0
         self.count = 0  # tensors saved
@@ -57,7 +59,7 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor) or _holds_nothing(tensor):
+        if _is_parameter(tensor) or (not self.shapes and _holds_nothing(tensor)):
             return tensor
         key, size = _storage(tensor)
         with self._lock:
