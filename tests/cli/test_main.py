@@ -83,8 +83,8 @@ BAD_INPUT = [
      "error: --tp 3 does not divide the 4 attention heads of blocks.0.attn.qkv"),
     (["--strategy", "tp", "--tp", "2", "--model", "mlp"],
      "error: --tp: --model mlp has no tensor-parallel plan; give one with --tp-plan FILE.toml"),
-    (["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--tp", "2", "--shard-dp", "--model", "transformer_lm",
-      "--data", "text"], "error: --shard-dp with --tp 2: sharding the split layers over dp as well is not supported"),
+    (["--strategy", "local-sgd", "--tp", "2", "--model", "transformer_lm", "--data", "text"],
+     "error: --strategy local-sgd with --tp 2: not supported (the axes it cuts a replica over: --dp-shard)"),
 ]
 
 

@@ -74,8 +74,8 @@ def test_polytrain_plan_prints_the_tp_plan_on_the_mesh(capsys):
     assert main(["plan", "--strategy", "hybrid", "--dp", "2", "--pp", "2", "--tp", "2", "--model", "transformer_lm",
                  "--data", "text"]) == 0
     shown = capsys.readouterr().out
-    assert "mesh over the 8 trainer rank(s): dp 2 x pp 2 x tp 2" in shown
-    assert "rank 5: trainer worker rank 5  [dp 1, pp 0, tp 1]" in shown
+    assert "mesh over the 8 trainer rank(s): dp_replicate 2 x pp 2 x tp 2" in shown
+    assert "rank 5: trainer worker rank 5  [dp_replicate 1, pp 0, tp 1]" in shown
     assert "tensor-parallel plan (TransformerLM.tp_plan), over tp 2:" in shown
     assert "blocks.*.attn.qkv: colwise, 3 parts, heads=heads  (4 layer(s))" in shown
 
@@ -87,15 +87,17 @@ def test_tp_layouts_and_settings_refused_before_launch():
     from polytrain.parallel.tp.strategy import TensorParallel
     from polytrain.train.run import layout_of
 
-    layout = TensorParallel.layout(4, TensorParallelConfig(tp=2))
-    assert (layout.axes, layout.slices, layout.processes) == ((("dp", 2), ("tp", 2)), 2, 4)
-    assert TensorParallel.layout(None, TensorParallelConfig(tp=4)).axes == (("dp", 1), ("tp", 4))
+    layout = layout_of(make_config(strategy="tp", workers=4, tp=2))
+    assert (layout.axes, layout.slices, layout.processes) == ((("dp_replicate", 2), ("tp", 2)), 2, 4)
+    assert layout_of(make_config(strategy="tp", tp=4)).axes == (("dp_replicate", 1), ("tp", 4))
+    assert layout_of(make_config(strategy="tp", workers=4)).axes == (("dp_replicate", 1), ("tp", 4))
     hybrid = layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2))
-    assert hybrid.axes == (("dp", 2), ("pp", 2), ("tp", 2)) and hybrid.slices == 2
-    with pytest.raises(ConfigError, match=r"^--strategy tp: --workers 3 is not a multiple of --tp 2; pass --workers 2"):
-        TensorParallel.layout(3, TensorParallelConfig(tp=2))
-    with pytest.raises(ConfigError, match=r"^--strategy hybrid: --dp 2 x --pp 2 x --tp 2 = 8 processes, but "
-                                          r"--workers is 4; pass --workers 8"):
+    assert hybrid.axes == (("dp_replicate", 2), ("pp", 2), ("tp", 2)) and hybrid.slices == 2
+    with pytest.raises(ConfigError, match=r"^--strategy tp: --workers 3 is not a multiple of --tp 2 = 2; pass "
+                                          r"--workers 2"):
+        layout_of(make_config(strategy="tp", workers=3, tp=2))
+    with pytest.raises(ConfigError, match=r"^--strategy hybrid: --dp-replicate 2 x --pp 2 x --tp 2 = 8 processes, "
+                                          r"but --workers is 4; pass --workers 8"):
         layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2, workers=4))
     config = make_config(strategy="tp", workers=2, tp=1, model="transformer_lm", data="text")
     with pytest.raises(ConfigError, match="^--strategy tp with --tp 1 splits nothing"):

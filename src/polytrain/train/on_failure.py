@@ -43,7 +43,9 @@ def check_on_failure(config: Any, layout: Any) -> None:
     """One line for a setting ``--on-failure continue`` cannot work with, before anything starts."""
     if not continuing(config):
         return
-    strategy = get_strategy(config.train.strategy)
+    from polytrain.strategies.base import strategy_class
+
+    strategy = strategy_class(config, layout)  # (the class that runs the degrees: sync --dp-shard 2 is fsdp's)
     if strategy.lost_worker is not None:
         supported = [name for name in available_strategies() if get_strategy(name).lost_worker is None]
         raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {strategy.lost_worker}; use "

@@ -27,7 +27,8 @@ from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
-from polytrain.strategies.base import layout_for, registered
+from polytrain.strategies.base import layout_for, registered, strategy_class
+from polytrain.parallel.degrees import deprecated_flags
 from polytrain.strategies.settings import check_settings_read
 from polytrain.specs import is_import_path
 from polytrain.train.checkpoint import check_checkpoint_dir
@@ -51,6 +52,14 @@ def layout_of(config: RunConfig) -> Layout:
     return strategy.layout(requested_workers(config), options)
 
 
+def warn_deprecated(config: RunConfig) -> None:
+    """One warning line per deprecated flag given (a second name of a degree), saying which flag it is now."""
+    from polytrain.log import get_logger
+
+    for line in deprecated_flags(config):
+        get_logger().warning(line)
+
+
 def requested_workers(config: RunConfig) -> int | None:
     """``--workers``, or the count the ``--device`` spec names (``cpu:4``); None when neither says."""
     if config.launch.workers is None:
@@ -60,9 +69,11 @@ def requested_workers(config: RunConfig) -> int | None:
 
 def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> Layout:
     """Validate ``config`` without starting anything; return the job's layout."""
-    strategy = get_strategy(config.train.strategy)
+    get_strategy(config.train.strategy)
     parse_device(config.device.device)
+    warn_deprecated(config)
     layout = layout_of(config)
+    strategy = strategy_class(config, layout)
     check_device_config(config.device, layout.processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(layout, config, model)

@@ -39,7 +39,7 @@ from polytrain.models.replay import build_parts
 from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy, get_strategy
-from polytrain.strategies.base import check_batch, data_slice
+from polytrain.strategies.base import check_batch, data_slice, strategy_class
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.background import CheckpointWrites, copy_state
@@ -220,7 +220,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
-    strategy_cls = get_strategy(config.train.strategy)
+    strategy_cls = strategy_class(config, layout, topology.world_size)
     strategy = strategy_cls(topology, strategy_options(config, strategy_cls), layout)
     mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)

@@ -235,8 +235,8 @@ class TracedRun:
         rows: ``torch.chunk``) under ``--shard-dp``."""
         if not getattr(self, "sharded", False):
             return shape
-        chunks = torch.empty(shape, device="meta").chunk(self.replicas)
-        rank = self.topology.axis_rank("dp")
+        chunks = torch.empty(shape, device="meta").chunk(self.topology.axis_size("dp_shard"))
+        rank = self.topology.axis_rank("dp_shard")  # (FSDP's shards are over dp_shard; HSDP replicates them)
         return chunks[rank].shape if rank < len(chunks) else torch.Size((0, *shape[1:]))
 
     def _counted_once(self) -> set[int]:

@@ -36,7 +36,7 @@ from polytrain.models.deferred import describe_whole_build, is_deferred, materia
 from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
 from polytrain.train.held import HeldState
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
+from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
 from polytrain.parallel.tp.config import TensorParallelConfig
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
 
@@ -46,6 +46,10 @@ class TensorParallel(Strategy):
     name = "tp"
     summary = "tensor parallel: the plan's layers split over --tp ranks (DTensor), --workers / --tp replicas"
     config_section = "tp"
+    exchange = "sync"
+    meeting = "gradients averaged every step"
+    fills = "tp"
+    cuts = ("tp",)
 
     def __init__(self, topology: Any, options: TensorParallelConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -57,14 +61,7 @@ class TensorParallel(Strategy):
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        opts = options if options is not None else TensorParallelConfig()
-        tp = opts.tp or workers or DEFAULT_WORKERS
-        workers = workers or tp
-        if workers % tp:
-            raise ConfigError(f"--strategy tp: --workers {workers} is not a multiple of --tp {tp}; pass --workers "
-                              f"{max(1, workers // tp) * tp} (--workers / --tp data-parallel replicas)")
-        dp = workers // tp
-        return Layout(cls.name, ("trainer",) * workers, (("dp", dp), ("tp", tp)), dp)
+        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
