@@ -28,9 +28,10 @@ CHOICES = ("stop", "continue")
 @dataclass
 class OnFailureConfig:
     on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
-                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: the others "
-                                     "go on from the current step with the same global batch over fewer workers; "
-                                     "with --max-restarts R a replacement joins, up to R times)", choices=CHOICES)
+                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: when any "
+                                     "worker but rank 0 dies, the others go on from the current step with the "
+                                     "same global batch over fewer workers; with --max-restarts R a replacement "
+                                     "joins, up to R times; losing rank 0 still ends the job)", choices=CHOICES)
 
 
 def continuing(config: Any) -> bool:
