@@ -3,14 +3,15 @@ a run whose evaluation of 256 examples at once would pass the limit sizes its ba
 with --eval-batch-size made too large on purpose fails with one line that says the model was saved, and the
 saved model and checkpoint are the first run's."""
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import polytrain
 from polytrain.api import make_config
-from polytrain.errors import MemoryLimitError
 from polytrain.train.evaluation import DEFAULT_EVAL_BATCH, EvalBatchSize
 
 # a byte-level language model whose evaluation of all 239 test windows at once needs tens of MiB more than a
@@ -20,13 +21,32 @@ RUN = dict(strategy="single", model="transformer_lm:layers=2,dim=128,heads=4",
            progress="off", memory_limit="40MiB")
 
 
+# the two runs in a fresh process, as the command runs them: the evaluation's batch is sized from the memory its
+# first batches take, which a long-lived process (a test worker after hundreds of tests) may already hold freed
+_RUNS = """
+import json, sys
+import polytrain
+from polytrain.errors import MemoryLimitError
+run, d = json.loads(sys.argv[1]), sys.argv[2]
+fitted = polytrain.fit(**run, save_model=d + "/fitted.pt", metrics_file=d + "/fitted.jsonl")
+try:
+    polytrain.fit(**run, eval_batch_size=1000, checkpoint_dir=d + "/ck", save_model=d + "/failed.pt")
+    message = None
+except MemoryLimitError as exc:
+    message = str(exc)
+print(json.dumps([fitted, message], default=str))
+"""
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, module_cli_env):
     d = tmp_path_factory.mktemp("eval")
-    fitted = polytrain.fit(**RUN, save_model=str(d / "fitted.pt"), metrics_file=str(d / "fitted.jsonl"))
-    with pytest.raises(MemoryLimitError) as failed:
-        polytrain.fit(**RUN, eval_batch_size=1000, checkpoint_dir=str(d / "ck"), save_model=str(d / "failed.pt"))
-    return d, fitted, str(failed.value)
+    done = subprocess.run([sys.executable, "-c", _RUNS, json.dumps(RUN), str(d)], env=module_cli_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    fitted, message = json.loads(done.stdout.strip().splitlines()[-1])
+    assert message is not None, "an evaluation of 1000 examples at once fitted the limit"
+    return d, fitted, message
 
 
 def test_under_a_limit_the_evaluation_is_sized_to_fit_where_256_at_once_would_not(runs):
