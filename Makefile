@@ -1,12 +1,14 @@
 # The README's two set-up commands. Both create .venv when it is missing and install the pinned
 # development set (requirements-dev.txt: torch==2.13.0 CPU build and friends) plus polytrain in editable mode.
 #   make demo   -> `polytrain train` with its defaults (local CPU workers, embedded digits data)
-#   make test   -> the whole pytest suite
+#   make test   -> the whole pytest suite on PYTEST_WORKERS pytest-xdist workers (a module's tests on one of them;
+#                  tests marked serial alone), then its 15 slowest tests
 # PIP_ARGS passes extra options to pip, e.g. PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 # on a machine whose PyPI would otherwise hand out a CUDA build of torch.
 PYTHON ?= python3
 VENV ?= .venv
 PIP_ARGS ?=
+PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.polytrain-installed
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/polytrain train
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(VENV)/bin/polytrain bench

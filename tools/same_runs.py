@@ -4,8 +4,9 @@
     python tools/same_runs.py /tmp/before/src src
 
 Runs every strategy on digits with each checkout's sources (in fresh processes): single, sync (with
---accumulate 2, and over gloo with Adam), async --staleness 0, local-sgd, diloco, pipeline (1f1b) and hybrid
-2 x 2, and compares every logged loss, every evaluation and the saved models exactly.
+--accumulate 2, and over gloo with Adam), async --staleness 0, local-sgd, diloco, pipeline (1f1b), hybrid 2 x 2
+(and with --shard-dp), fsdp, and tp and hybrid with --tp on a small transformer_lm, and compares every logged
+loss, every evaluation and the saved models exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 
 import torch
 
+LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16")
 CASES = {
     "single": dict(strategy="single"),
     "sync": dict(strategy="sync", workers=2),
@@ -28,13 +30,19 @@ CASES = {
     "diloco": dict(strategy="diloco", workers=2, sync_every=4, outer_momentum=0.5),
     "pipeline_1f1b": dict(strategy="pipeline", stages=2, microbatches=4, schedule="1f1b", split_at="classifier"),
     "hybrid_2x2": dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2, split_at="classifier"),
+    "fsdp": dict(strategy="fsdp", workers=2),
+    "hybrid_shard_dp": dict(strategy="hybrid", workers=4, dp=2, pp=2, shard_dp=True, microbatches=2,
+                            split_at="classifier"),
+    "tp": dict(strategy="tp", workers=2, tp=2, **LM),
+    "hybrid_tp": dict(strategy="hybrid", workers=4, dp=1, pp=2, tp=2, microbatches=2, split_at="blocks.1", **LM),
 }
 RUN = """
 import sys, polytrain
 out, cases = sys.argv[1], {cases!r}
 for name, extra in cases.items():
-    polytrain.fit(model="digits_cnn", data="digits", steps=40, batch_size=64, seed=3, progress="off", log_every=1,
-                  eval_every=20, metrics_file=f"{{out}}/{{name}}.jsonl", save_model=f"{{out}}/{{name}}.pt", **extra)
+    polytrain.fit(**{{**dict(model="digits_cnn", data="digits"), **extra}}, steps=40, batch_size=64, seed=3,
+                  progress="off", log_every=1, eval_every=20, metrics_file=f"{{out}}/{{name}}.jsonl",
+                  save_model=f"{{out}}/{{name}}.pt")
 """
 
 

@@ -28,6 +28,9 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     """
     from polytrain.train.restart import run  # the run, restarted after a failure as --max-restarts says
     from polytrain.distributed.hangs import use_run_directory
+    from polytrain.train.startup import mark
+
+    mark()  # the summary's startup_s counts from this call
 
     chosen = settings.get("strategy")
     if isinstance(chosen, type) and issubclass(chosen, Strategy):  # a class: named so workers import it

@@ -1,6 +1,8 @@
 """Rank-aware logging for the ``polytrain`` logger.
 
-Rank 0 speaks at INFO by default; other ranks only report warnings and errors, prefixed ``[rank N]``.
+Rank 0 speaks at INFO by default; other ranks only report errors, and the warnings that are theirs alone (logged
+with ``extra=EVERY_RANK``: a device this rank fell back from, its heartbeat's trouble), prefixed ``[rank N]``: a
+warning every rank would give (a resume without a checkpoint, Python's own warnings) is printed once, by rank 0.
 With ``all_ranks=True`` every rank speaks and every line carries its ``[rank N]`` prefix.
 """
 
@@ -8,8 +10,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 LOGGER_NAME = "polytrain"
+#: ``extra=`` of a warning that a rank other than 0 prints too: what only that rank knows
+EVERY_RANK = {"every_rank": True}
+
+
+def _own_warnings_and_errors(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR or getattr(record, "every_rank", False)
 
 
 class _RankFormatter(logging.Formatter):
@@ -36,6 +45,9 @@ def setup_logging(rank: int = 0, world_size: int = 1, *, all_ranks: bool = False
     handler.setFormatter(_RankFormatter(rank, world_size, all_ranks))
     logger.addHandler(handler)
     logger.setLevel(level if (rank == 0 or all_ranks) else max(level, logging.WARNING))
+    if rank != 0 and not all_ranks:  # rank 0 gives the warnings every rank would: once, not once per rank
+        handler.addFilter(_own_warnings_and_errors)
+        warnings.simplefilter("ignore")
     logger.propagate = False
     return logger
 

@@ -94,7 +94,7 @@ class Task:
         raise NotImplementedError
 
     def units(self, targets: torch.Tensor) -> int:
-        return len(targets)
+        return targets.shape[0]
 
     def score(self, outputs: Any, targets: torch.Tensor) -> Score:
         raise NotImplementedError

@@ -24,7 +24,7 @@ def test_cases_are_single_then_every_schedule_and_m_it_accepts_with_the_theory()
     # v = 2 chunks per rank: bubble (P-1)/(vM+P-1) = 1/17
     assert by_key["interleaved-1f1b_m8"].theoretical_bubble() == pytest.approx(1 / 17)
     assert by_key["interleaved-1f1b_m8"].theoretical_speedup() == pytest.approx(2 * 16 / 17)
-    assert by_key["1f1b_m4"].settings() == {"strategy": "pipeline", "stages": 2, "microbatches": 4,
+    assert by_key["1f1b_m4"].settings() == {"strategy": "pipeline", "pp": 2, "microbatches": 4,
                                             "schedule": "1f1b"}
     with pytest.raises(ConfigError, match="--microbatches 3 does not divide --batch-size 32"):
         PipelineBenchConfig(microbatches=(1, 3)).check()

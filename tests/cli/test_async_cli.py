@@ -20,7 +20,7 @@ def test_bad_async_settings_are_one_line_before_anything_starts(capsys, args, me
 
 
 def test_help_says_what_the_batch_size_is_for_async(capsys):
-    proc = run_here(capsys, "train", "--help")
+    proc = run_here(capsys, "train", "--help-all")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert ("--batch-size counts one step: N slices of batch/N examples, each computed by whichever worker is free "

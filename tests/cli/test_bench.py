@@ -2,6 +2,8 @@
 Structure only: timing numbers from a 2-step run on a shared machine mean nothing, so none is asserted."""
 
 import json
+import re
+import signal
 import subprocess
 import sys
 
@@ -28,6 +30,25 @@ def test_quick_bench_runs_every_case_and_writes_json_and_markdown(cli_env, tmp_p
     assert doc["config"]["steps"] == 2 and doc["env"]["torch"] == __import__("torch").__version__
     assert "polytrain sync / plain DDP" in proc.stdout and "weak scaling" in proc.stdout
     assert "| plain PyTorch DDP, 2 workers x 1 thread | 2 × 1 |" in (tmp_path / "bench.md").read_text()
+    assert "7 runs; the time left follows each" in proc.stdout  # before the first run
+    assert re.search(r"^\[1/7\] repeat 1: .*; about \d+ (s|min) left$", proc.stdout, re.M), proc.stdout
+
+
+def test_a_stopped_bench_says_so_and_nothing_of_checkpoints(cli_env, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "polytrain", "bench", "--quick"], env=cli_env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:  # the first run done, the second starting
+        seen.append(line)
+        if line.startswith("[1/7]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == ("polytrain: bench stopped by SIGINT after 1 of 7 runs; no results "
+                                            "written (a stopped bench keeps no measurement: run it again)")
+    assert "checkpoint" not in "".join(seen) + out + err
+    assert not (tmp_path / "polytrain-bench.json").exists()
 
 
 def test_plan_prints_the_cases_without_running(cli_env, tmp_path):

@@ -2,6 +2,7 @@
 (inspect and export, which start no worker, through the command's ``main`` in this process)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,9 @@ def _export_equals_saved(sharded, capsys, path, reader, kind):
     assert f"(4 tensors, {kind})" in out.stdout
     exported, saved = reader(path), torch.load(sharded / "model.pt", weights_only=True)
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file (0644), safetensors' too
 
 
 def test_a_sharded_runs_parts_are_inspected_and_exported_in_singles_layout(sharded, tmp_path, capsys):
@@ -161,9 +165,11 @@ def test_export_of_a_checkpoint_without_a_model_or_to_an_unwritable_path_is_one_
     Checkpointer(tmp_path / "ok").save({"model": {"w": torch.ones(2)}}, 1)
     out = tmp_path / "a-directory"
     out.mkdir()
+    (out / "notes.txt").write_text("not a model's")  # (an empty directory, or a model's, takes a Hugging Face one)
     assert main(["checkpoint", "export", str(tmp_path / "ok"), str(out)]) == 2
     err = capsys.readouterr().err
-    assert err == f"polytrain: error: {out}: is a directory; give the path of the file to write (e.g. {out}/model.pt)\n"
+    assert err == (f"polytrain: error: {out}: is a directory; give the path of the file to write (e.g. "
+                   f"{out}/model.pt), or --format hf for a Hugging Face directory there\n")
     too_long = str(tmp_path / ("x" * 300 + ".pt"))  # no file system takes a 300-byte name
     assert main(["checkpoint", "export", str(tmp_path / "ok"), too_long]) == 2
     assert capsys.readouterr().err == f"polytrain: error: {too_long}: cannot write the model there (File name too long)\n"

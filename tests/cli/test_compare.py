@@ -1,6 +1,7 @@
 """polytrain compare: spec parsing, checks before anything trains, and one small real comparison end to end."""
 
 import json
+import re
 
 import pytest
 
@@ -69,7 +70,10 @@ def test_compare_runs_every_case_with_and_without_a_straggler(tmp_path, capsys):
     assert all(len(doc["curves"][case]["loss"]) == 2 for case in cases)
     assert (out / "compare.png").stat().st_size > 0
     assert "| case | examples/s |" in (out / "compare.md").read_text()
-    assert "diloco:sync_every=2 +straggler 1:2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "diloco:sync_every=2 +straggler 1:2" in printed
+    accuracies = re.findall(r"eval accuracy (\S+), ", printed)  # each run's line: 4 places, not 16
+    assert len(accuracies) == 4 and all(re.fullmatch(r"\d\.\d{4}", a) for a in accuracies), accuracies
 
 
 def test_repeated_rounds_give_medians_and_each_ratio_is_taken_within_its_round():

@@ -2,6 +2,8 @@
 worker through the command's ``main``: in this process, or many lines in one fresh one)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,14 +15,20 @@ def test_help_reads_well(capsys):
     top = run_here(capsys, "--help")
     assert top.returncode == 0 and "train" in top.stdout and "devices" in top.stdout
     train = run_here(capsys, "train", "--help")
-    assert train.returncode == 0
+    full = run_here(capsys, "train", "--help-all")
+    assert train.returncode == 0 and full.returncode == 0
     for heading in ("training:", "model:", "data:", "optimizer and learning rate:", "workers and launcher:",
                     "checkpoints:", "logging:", "devices and placement:"):
-        assert heading in train.stdout
-    for flag in ("--config", "--strategy", "--device", "--batch-size", "--steps", "--epochs", "--lr-schedule",
-                 "--log-dir", "--metrics-file", "--save-model", "--checkpoint-dir", "--checkpoint-every",
-                 "--resume", "--workers", "--accumulate", "--seed", "--log-every", "--eval-every", "--optimizer"):
-        assert flag in train.stdout, flag
+        assert heading in train.stdout and heading in full.stdout
+    common = ("--config", "--strategy", "--device", "--batch-size", "--steps", "--epochs", "--lr-schedule",
+              "--log-dir", "--metrics-file", "--save-model", "--checkpoint-dir", "--checkpoint-every",
+              "--resume", "--workers", "--seed", "--eval-every", "--optimizer", "--help-all")
+    for flag in common:
+        assert flag in train.stdout and flag in full.stdout, flag
+    for flag in ("--accumulate", "--log-every", "--memory-limit", "--stages", "--tp", "--max-restarts"):
+        assert f"  {flag} " not in train.stdout and f"  {flag} " in full.stdout, flag  # --help-all only
+    assert "strategy async (parameter servers):" in full.stdout and "strategy async" not in train.stdout
+    assert len(train.stdout.splitlines()) * 3 < len(full.stdout.splitlines())  # short: the ~20 most runs set
 
 
 def test_devices_lists_the_cpu(capsys):
@@ -29,6 +37,16 @@ def test_devices_lists_the_cpu(capsys):
     listed = json.loads(run_here(capsys, "devices", "--json").stdout)
     cpu = [d for d in listed if d["name"] == "cpu"]
     assert cpu and cpu[0]["cores"] >= 1
+
+
+def test_devices_imports_no_strategy_and_on_a_cpu_build_not_torch(cli_env):
+    table = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "devices"], env=cli_env,
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and "cpu" in table.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in table.stderr.splitlines() if line.startswith("import time:")}
+    assert "polytrain.devices.discovery" in imported and "polytrain.components" not in imported
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and sys.platform != "darwin":
+        assert "torch" not in imported  # a CPU build: nothing to ask torch about
 
 
 def test_print_config_round_trips(capsys, tmp_path):
@@ -52,6 +70,8 @@ BAD_INPUT = [
     (["--workers", "0"], "--workers: must be a whole number >= 1"),
     (["--backend", "mpi"], "--backend: unknown value 'mpi'; accepted: auto, gloo, nccl"),
     (["--batch-size", "63", "--workers", "2"], "--batch-size 63 does not divide over 2 workers"),
+    (["--workers", "3"], "--batch-size 64 does not divide over 3 workers; pass a multiple of 3 (--batch-size 63 or "
+                         "66), or --worker-batch-size B"),  # the default batch: the sizes that fit
     (["--lr-schedule", "exponential:rate=0.1"], "missing decay_steps"),
     (["--nope"], "unrecognized arguments: --nope"),
     # checked before any worker starts: no "[rank 0]" in front
@@ -63,8 +83,8 @@ BAD_INPUT = [
      "error: --tp 3 does not divide the 4 attention heads of blocks.0.attn.qkv"),
     (["--strategy", "tp", "--tp", "2", "--model", "mlp"],
      "error: --tp: --model mlp has no tensor-parallel plan; give one with --tp-plan FILE.toml"),
-    (["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--tp", "2", "--shard-dp", "--model", "transformer_lm",
-      "--data", "text"], "error: --shard-dp with --tp 2: sharding the split layers over dp as well is not supported"),
+    (["--strategy", "local-sgd", "--tp", "2", "--model", "transformer_lm", "--data", "text"],
+     "error: --strategy local-sgd with --tp 2: not supported (the axes it cuts a replica over: --dp-shard)"),
 ]
 
 

@@ -112,11 +112,13 @@ class _Singles(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("train, message", [
-    (TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)), "--data mine: the training dataset is empty"),
-    (_Singles(), "--data mine: examples must be (input, target) pairs, got Tensor"),
+    (TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)),
+     "--data mine: the train set is empty; give it examples"),
+    (_Singles(), "--data mine: train example 0 is a Tensor, not an (input, target) pair; make the dataset's "
+                 "__getitem__ return (input, target)"),
     (TensorDataset(torch.zeros(3, 2), torch.tensor([0, -1, 2])),
-     "--data mine: class targets must be integers >= 0; for a binary task return float 0./1. targets, or pass "
-     "--data-arg num_classes=N"),
+     "--data mine: train example 1 has target -1; class targets must be integers >= 0; for a binary task return "
+     "float 0./1. targets, or pass --data-arg num_classes=N"),
 ])
 def test_datasets_a_factory_returns_are_checked(user_module, train, message):
     user_module.bad = lambda: (train, None)

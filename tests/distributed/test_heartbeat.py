@@ -125,20 +125,20 @@ class _Lost:
 
 def test_a_failure_is_told_at_once_not_after_the_bound():
     """Two heartbeats in one process on a real store: a failed rank's message reaches the other in about one
-    beat interval, not after the bound."""
+    beat interval, not after the bound (60 s here, so that no load comes near it)."""
     server = StoreServer(timedelta(seconds=10))
     try:
         on_lost = _Lost()
         lost, seen = on_lost.errors, on_lost.seen
 
-        watcher = Heartbeat(server.store.clone(), 0, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
-        other = Heartbeat(server.store.clone(), 1, 2, timeout=5.0, interval=0.1, on_lost=on_lost).start()
+        watcher = Heartbeat(server.store.clone(), 0, 2, timeout=60.0, interval=0.1, on_lost=on_lost).start()
+        other = Heartbeat(server.store.clone(), 1, 2, timeout=60.0, interval=0.1, on_lost=on_lost).start()
         time.sleep(0.3)
         assert not lost
         started = time.monotonic()
         other.failed("ValueError: boom")
-        assert seen.wait(5)
-        assert time.monotonic() - started < 2.0
+        assert seen.wait(60)
+        assert time.monotonic() - started < 30  # about one beat interval; the bound would be 60 s
         assert lost[0].rank == 1 and "rank 1 (host" in str(lost[0])
         assert str(lost[0]).endswith("failed: ValueError: boom")
         watcher.goodbye()
@@ -193,10 +193,10 @@ def _freeze_rank_2(ctx):
 def test_the_launcher_names_a_frozen_rank_and_leaves_no_process():
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 2 \(host .*\) sent no heartbeat for") as info:
-        polytrain.launch(_freeze_rank_2, workers=3, device="cpu", backend="gloo", timeout=60,
+        polytrain.launch(_freeze_rank_2, workers=3, device="cpu", backend="gloo", timeout=600,
                          threads_per_worker=1, heartbeat_timeout=TIMEOUT)
     assert isinstance(info.value, PeerLostError)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 300  # the heartbeat's bound, not the all-reduce's 600 s timeout
     assert leftover_children(os.getpid()) == []
 
 
@@ -293,22 +293,23 @@ def test_a_frozen_expendable_rank_is_stopped_once_the_others_are_done(caplog):
 def _kill_rank(ctx, victim):
     if ctx.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # until stopped by the launcher
+    time.sleep(600)  # until stopped by the launcher
 
 
 def test_a_rank_that_is_not_expendable_still_ends_the_job():
     started = time.monotonic()
-    with pytest.raises(WorkerError, match=r"^worker rank 1 was killed by signal SIGKILL.*; all workers were stopped$"):
+    with pytest.raises(WorkerError, match=r"^worker rank 1 was killed by signal SIGKILL.*; all workers were stopped "
+                       r"\(worker rank 1 cannot be lost: only rank\(s\) 2 may be\)$"):
         polytrain.launch(_kill_rank, 1, workers=3, device="cpu", backend="gloo", timeout=60, threads_per_worker=1,
                          heartbeat_timeout=EXPENDABLE_TIMEOUT, expendable=[2])
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 300  # stopped, not at the end of the others' 600 s sleep
     assert leftover_children(os.getpid()) == []
 
 
 def _freeze_rank_0(ctx):
     if ctx.rank == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
-    time.sleep(60)  # expendable ranks 1 and 2: until their heartbeat ends them
+    time.sleep(600)  # expendable ranks 1 and 2: until their heartbeat ends them
 
 
 def test_expendable_ranks_that_lose_rank_0_end_the_job_naming_it():
@@ -318,5 +319,5 @@ def test_expendable_ranks_that_lose_rank_0_end_the_job_naming_it():
     with pytest.raises(PeerLostError, match=r"^\[rank [12]\] rank 0 \(host .*\) sent no heartbeat for"):
         polytrain.launch(_freeze_rank_0, workers=3, device="cpu", backend="gloo", timeout=60, threads_per_worker=1,
                          heartbeat_timeout=EXPENDABLE_TIMEOUT, expendable=[1, 2])
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 300  # ended by the heartbeat, not at the end of the 600 s sleep
     assert leftover_children(os.getpid()) == []

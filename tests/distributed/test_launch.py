@@ -211,8 +211,8 @@ def test_an_unguarded_script_that_workers_need_is_told_to_add_the_guard(cli_env,
 
 
 def test_an_unknown_start_method_is_one_line_before_any_worker(monkeypatch):
-    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
-    with pytest.raises(ConfigError, match="^POLYTRAIN_START_METHOD=fork: must be one of forkserver, spawn$"):
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "threads")
+    with pytest.raises(ConfigError, match="^POLYTRAIN_START_METHOD=threads: must be one of forkserver, spawn, fork$"):
         launch(_whoami, 0, workers=2)
     assert leftover_children(os.getpid()) == []
 

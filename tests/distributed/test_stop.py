@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from polytrain.distributed import stop as stop_module
 from polytrain.distributed.stop import StopBeforeTraining, StopNow, StopSignal
 
 
@@ -86,11 +88,11 @@ def test_a_request_reaches_the_other_processes_through_the_store(store_factory):
     receiver.connect(store_factory)  # its watcher waits for the key
     sender.connect(store_factory, watch=False)
     sender.request("SIGUSR1", signal.SIGUSR1)
-    deadline = 100
-    while receiver.requested is None and deadline:
-        import time
+    import time
+
+    deadline = time.monotonic() + 60  # a hang guard: one store round trip (milliseconds, seconds under load)
+    while receiver.requested is None and time.monotonic() < deadline:
         time.sleep(0.05)
-        deadline -= 1
     assert receiver.requested == "SIGUSR1"
 
 
@@ -124,12 +126,29 @@ def test_first_signal_asks_second_stops_at_once():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
 
 
+def test_one_signal_delivered_twice_counts_once_and_a_later_one_stops_at_once(monkeypatch):
+    """``timeout`` and Slurm send a stop to the command and to its process group: the same signal twice within
+    microseconds is one request; the same signal sent once the first was taken is a second signal."""
+    clock = [100.0]  # the handler's clock, moved by the test: nothing here depends on the machine's speed
+    monkeypatch.setattr(stop_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    stop = StopSignal()
+    with stop.handling():
+        os.kill(os.getpid(), signal.SIGTERM)
+        clock[0] += stop_module.REPEAT_WINDOW_S / 2
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no StopNow
+        assert stop.requested == "SIGTERM"
+        clock[0] += stop_module.REPEAT_WINDOW_S
+        with pytest.raises(StopNow) as raised:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert raised.value.signum == signal.SIGTERM
+
+
 def test_a_deferred_second_signal_is_raised_by_check_and_wakes_its_descriptor():
     stop = StopSignal()
     wake = stop.wake_fd
     with stop.handling(), stop.deferring():
         os.kill(os.getpid(), signal.SIGHUP)
-        os.kill(os.getpid(), signal.SIGHUP)  # no exception here: deferred
+        os.kill(os.getpid(), signal.SIGTERM)  # no exception here: deferred
         assert os.read(wake, 10)
         with pytest.raises(StopNow):
             stop.check()
@@ -146,3 +165,19 @@ def test_a_strategy_that_misses_its_collective_steps_is_caught_not_run_past(stor
     assert ahead.stop_step(4, lambda b: b != 5, 100) is None  # proposes 6 (5 said to hold no collective)
     with pytest.raises(RuntimeError, match="stop step 6 agreed while this rank is already at step 7"):
         ahead.stop_step(7, lambda b: True, 100)  # it missed step 6: it ran past the agreed step
+
+
+def test_a_repeat_that_arrives_while_the_first_is_being_taken_counts_once(monkeypatch):
+    """Python may run the second delivery's handler inside the first's (a signal between its bytecodes)."""
+    stop = StopSignal()
+    request = stop.request
+
+    def slow_request(name, signum=0):  # the group's copy arrives while the first is being taken
+        first = request(name, signum)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return first
+
+    monkeypatch.setattr(stop, "request", slow_request)
+    with stop.handling():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"

@@ -22,7 +22,7 @@ NAMES = ["worker rank 0", "worker rank 1", "helper rank 2"]
 
 
 def _launch(fn, *args, names=None):
-    return launch(fn, *args, workers=3, device="cpu", backend="gloo", timeout=60, threads_per_worker=1,
+    return launch(fn, *args, workers=3, device="cpu", backend="gloo", timeout=600, threads_per_worker=1,
                   heartbeat_timeout=HEARTBEAT, expendable=[2], rank_names=names)
 
 
@@ -77,7 +77,7 @@ def _rank_0_fails_after_losing_rank_2(ctx):
     if ctx.rank == 0:
         _wait_until_lost(ctx, 2)
         raise RuntimeError("gloo: connection closed, on purpose")  # ranks below a signal as a cause
-    time.sleep(60)  # rank 1: until stopped
+    time.sleep(600)  # rank 1: until stopped
 
 
 def test_a_later_failure_of_a_needed_rank_stops_all_and_the_earlier_loss_is_not_its_cause(caplog):
@@ -86,18 +86,19 @@ def test_a_later_failure_of_a_needed_rank_stops_all_and_the_earlier_loss_is_not_
         _launch(_rank_0_fails_after_losing_rank_2)
     # rank 1's heartbeat may report rank 0's failure before it is stopped: "then failed too", but never rank 2
     assert re.fullmatch(r"worker rank 0 failed: RuntimeError: gloo: connection closed, on purpose"
-                        r"( \(then rank\(s\) 1 failed too\))?; all workers were stopped", str(info.value)), info.value
+                        r"( \(then rank\(s\) 1 failed too\))?; all workers were stopped "
+                        r"\(worker rank 0 cannot be lost: only rank\(s\) 2 may be\)", str(info.value)), info.value
     assert info.value.failed_rank == 0
     assert _warnings(caplog) == ["worker rank 2 was killed by signal SIGKILL; going on without it "
                                  "(--tolerate-worker-loss)"]
-    assert time.monotonic() - started < 40
+    assert time.monotonic() - started < 300  # stopped, not at the end of rank 1's 600 s sleep
     assert leftover_children(os.getpid()) == []
 
 
 def _everyone_fails_but_rank_2_last(ctx):
     if ctx.rank == 0:
         raise RuntimeError("rank 0's bug on purpose")
-    time.sleep(60)  # ranks 1 and 2: until stopped (rank 2 is then no loss to go on without: the job failed)
+    time.sleep(600)  # ranks 1 and 2: until stopped (rank 2 is then no loss to go on without: the job failed)
 
 
 def test_expendable_ranks_stopped_with_a_failed_job_are_no_warning(caplog):

@@ -1,4 +1,5 @@
-"""Named axes: a strategy lays the world out as dp x pp on a DeviceMesh; slices and groups follow the axes."""
+"""Named axes: a strategy lays the world out as dp_replicate x dp_shard x pp x tp on a DeviceMesh; slices and
+groups follow the axes, the batch axis dp being dp_replicate x dp_shard."""
 
 import pytest
 import torch
@@ -10,10 +11,10 @@ from tests.helpers.spawn import spawn
 def test_a_single_process_is_one_replica_on_every_axis():
     topo = Topology()
     assert [(topo.axis_size(a), topo.axis_rank(a)) for a in ("dp", "pp")] == [(1, 0), (1, 0)]
-    assert topo.arranged(dp=1, pp=1).axes == (("dp", 1), ("pp", 1))
+    assert topo.arranged(dp=1, pp=1).axes == (("dp_replicate", 1), ("pp", 1))  # dp: dp_replicate
     with pytest.raises(ValueError, match="hold 4 processes, but the world has 1"):
         topo.arranged(dp=2, pp=2)
-    assert topo.arranged(tp=1).axes == (("dp", 1), ("pp", 1), ("tp", 1))  # tp only where named
+    assert topo.arranged(tp=1, dp_replicate=1).axes == (("dp_replicate", 1), ("tp", 1))  # in mesh order, as named
     assert (topo.axis_size("tp"), topo.axis_rank("tp"), topo.axis_group("tp")) == (1, 0, None)
     with pytest.raises(ValueError, match="unknown axes \\['shard'\\]"):
         topo.arranged(shard=1)
@@ -28,6 +29,12 @@ def _axes(ctx):
         value = torch.tensor([float(topo.rank)])
         along.all_reduce_sum(value)  # the ranks that differ from this one only along `axis`
         sums[axis] = (along.rank, along.world_size, value.item())
+    hsdp = ctx.topology.arranged(dp_replicate=2, dp_shard=2)  # the batch axis: both, one group of the four
+    batch = hsdp.along("dp")
+    value = torch.tensor([float(topo.rank)])
+    batch.all_reduce_sum(value)
+    sums["hsdp"] = (hsdp.axis_rank("dp_replicate"), hsdp.axis_rank("dp_shard"), batch.rank, batch.world_size,
+                    value.item(), hsdp.submesh("dp_replicate", "dp_shard").ndim, hsdp.submesh("pp", "dp_shard").ndim)
     return coords, sums
 
 
@@ -39,6 +46,8 @@ def test_dp_by_pp_gives_each_rank_its_coordinates_and_a_group_per_axis():
         dp, pp = divmod(rank, 2)
         assert sums["dp"] == (dp, 2, float(pp + (pp + 2)))  # ranks {pp, pp + 2}
         assert sums["pp"] == (pp, 2, float(2 * dp + (2 * dp + 1)))  # ranks {2dp, 2dp + 1}
+        # HSDP's mesh: rank = replicate * 2 + shard; every rank its own slice; FSDP's mesh 2-D, the other 1-D
+        assert sums["hsdp"] == (rank // 2, rank % 2, rank, 4, 6.0, 2, 1)
 
 
 def _default_layout(ctx):

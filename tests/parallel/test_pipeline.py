@@ -124,7 +124,7 @@ def test_checkpoints_move_between_pipeline_and_single_or_sync(tmp_path, single, 
     (dict(stages=2, schedule="interleaved-1f1b", microbatches=4, model="transformer_lm:layers=1,dim=32,heads=2"),
      "4 stages but the model has only 3 splittable units"),
     (dict(stages=2, split_at="blocks.7"), "--split-at blocks.7: no such unit; the model's units are embed, "),
-    (dict(strategy="hybrid", workers=3, pp=2), "--dp 1 x --pp 2 = 2 processes, but --workers is 3"),
+    (dict(strategy="hybrid", workers=3, pp=2), "--workers 3 is not a multiple of --pp 2 = 2; pass --workers 2"),
     (dict(stages=2, accumulate=2), "accumulates over its --microbatches; pass --microbatches 8"),
     (dict(stages=2, loss="model"), "--loss model: the forward of --model transformer_lm:.* takes no labels="),
 ])

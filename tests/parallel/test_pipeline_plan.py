@@ -67,16 +67,16 @@ def test_the_chart_names_each_rank_and_both_bubbles():
 
 
 def test_polytrain_plan_prints_without_starting_anything(cli_env):
-    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--stages", "4",
+    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--pp", "4",
                           "--microbatches", "8", "--schedule", "interleaved-1f1b", "--json"], env=cli_env,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)["pipeline"]
     assert data["bubble_simulated"] == data["bubble_theoretical"] == pytest.approx(3 / 19)
     assert data["actions"][0][:2] == ["F0s0", "F1s0"]
-    bad = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--stages", "4",
+    bad = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--pp", "4",
                           "--microbatches", "2", "--schedule", "1f1b"], env=cli_env, capture_output=True, text=True,
-                         timeout=60)
+                         timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "1f1b needs --microbatches >= --stages" in bad.stderr
 

@@ -74,8 +74,8 @@ def test_polytrain_plan_prints_the_tp_plan_on_the_mesh(capsys):
     assert main(["plan", "--strategy", "hybrid", "--dp", "2", "--pp", "2", "--tp", "2", "--model", "transformer_lm",
                  "--data", "text"]) == 0
     shown = capsys.readouterr().out
-    assert "mesh over the 8 trainer rank(s): dp 2 x pp 2 x tp 2" in shown
-    assert "rank 5: trainer worker rank 5  [dp 1, pp 0, tp 1]" in shown
+    assert "mesh over the 8 trainer rank(s): dp_replicate 2 x pp 2 x tp 2" in shown
+    assert "rank 5: trainer worker rank 5  [dp_replicate 1, pp 0, tp 1]" in shown
     assert "tensor-parallel plan (TransformerLM.tp_plan), over tp 2:" in shown
     assert "blocks.*.attn.qkv: colwise, 3 parts, heads=heads  (4 layer(s))" in shown
 
@@ -87,18 +87,56 @@ def test_tp_layouts_and_settings_refused_before_launch():
     from polytrain.parallel.tp.strategy import TensorParallel
     from polytrain.train.run import layout_of
 
-    layout = TensorParallel.layout(4, TensorParallelConfig(tp=2))
-    assert (layout.axes, layout.slices, layout.processes) == ((("dp", 2), ("tp", 2)), 2, 4)
-    assert TensorParallel.layout(None, TensorParallelConfig(tp=4)).axes == (("dp", 1), ("tp", 4))
+    layout = layout_of(make_config(strategy="tp", workers=4, tp=2))
+    assert (layout.axes, layout.slices, layout.processes) == ((("dp_replicate", 2), ("tp", 2)), 2, 4)
+    assert layout_of(make_config(strategy="tp", tp=4)).axes == (("dp_replicate", 1), ("tp", 4))
+    assert layout_of(make_config(strategy="tp", workers=4)).axes == (("dp_replicate", 1), ("tp", 4))
     hybrid = layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2))
-    assert hybrid.axes == (("dp", 2), ("pp", 2), ("tp", 2)) and hybrid.slices == 2
-    with pytest.raises(ConfigError, match=r"^--strategy tp: --workers 3 is not a multiple of --tp 2; pass --workers 2"):
-        TensorParallel.layout(3, TensorParallelConfig(tp=2))
-    with pytest.raises(ConfigError, match=r"^--strategy hybrid: --dp 2 x --pp 2 x --tp 2 = 8 processes, but "
-                                          r"--workers is 4; pass --workers 8"):
+    assert hybrid.axes == (("dp_replicate", 2), ("pp", 2), ("tp", 2)) and hybrid.slices == 2
+    with pytest.raises(ConfigError, match=r"^--strategy tp: --workers 3 is not a multiple of --tp 2 = 2; pass "
+                                          r"--workers 2"):
+        layout_of(make_config(strategy="tp", workers=3, tp=2))
+    with pytest.raises(ConfigError, match=r"^--strategy hybrid: --dp-replicate 2 x --pp 2 x --tp 2 = 8 processes, "
+                                          r"but --workers is 4; pass --workers 8"):
         layout_of(make_config(strategy="hybrid", dp=2, pp=2, tp=2, workers=4))
     config = make_config(strategy="tp", workers=2, tp=1, model="transformer_lm", data="text")
     with pytest.raises(ConfigError, match="^--strategy tp with --tp 1 splits nothing"):
         TensorParallel.check(layout_of(config), config, None)
     with pytest.raises(ConfigError, match="^--strategy tp splits layers over --tp processes; it cannot run in one"):
         TensorParallel(Topology())
+
+
+def test_a_transformers_model_brings_its_own_plan_and_gpt2s_layers_are_refused_in_one_line():
+    """transformers' plan (config.base_model_tp_plan and the class's _tp_plan) read for --tp-plan auto; GPT-2 has
+    none and its Conv1D layers cannot be split; a tied embedding and output layer split alike or refused."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from tests.helpers import zoo
+
+    with torch.device("meta"):
+        llama, gpt2 = zoo.llama(), zoo.gpt2()
+    plan = plan_for(llama, "auto")
+    rules = {rule.pattern: (rule.style, rule.gather) for rule in plan.rules}
+    assert rules["lm_head"] == ("colwise", True) and rules["model.embed_tokens"] == ("rowwise", False)
+    assert rules["model.layers.*.self_attn.k_proj"] == ("colwise", False)
+    assert rules["model.layers.*.mlp.down_proj"] == ("rowwise", False)
+    assert len(plan.check(llama, 2)) == 2 + 7 * 2  # the embedding, the head, 7 layers of each block
+    with pytest.raises(ConfigError, match="^--tp 4 does not divide the 2 attention heads of "
+                                          "model.layers.0.self_attn.k_proj"):  # grouped-query k: 2 heads
+        plan.check(llama, 4)
+    with pytest.raises(ConfigError, match="^--tp: --model GPT2LMHeadModel has no tensor-parallel plan"):
+        plan_for(gpt2, "auto", "GPT2LMHeadModel")
+    with pytest.raises(ConfigError, match="transformer.h.0.mlp.c_fc is a Conv1D; tensor parallel splits nn.Linear"):
+        TensorPlan.from_mapping({"transformer.h.*.mlp.c_fc": "colwise"}, "plan").check(gpt2, 2)
+    vocab = {"transformer.wte": "rowwise", "lm_head": {"style": "colwise", "gather": True}}
+    TensorPlan.from_mapping(vocab, "plan").check(gpt2, 2)  # both by rows: the tied tensor stays one
+    with pytest.raises(ConfigError, match=r"^--tp 3 does not divide the 256 rows \(vocabulary\) of transformer.wte"):
+        TensorPlan.from_mapping(vocab, "plan").check(gpt2, 3)
+    llama._tp_plan = {**llama._tp_plan, "model.norm": "sequence_parallel"}
+    with pytest.raises(ConfigError, match="^LlamaForCausalLM's transformers tp plan .config.base_model_tp_plan.: its "
+                                          "styles sequence_parallel are not ones polytrain splits by"):
+        plan_for(llama, "auto")
+    with pytest.raises(ConfigError, match="transformer.wte.weight and lm_head.weight are one tensor .tied weights., "
+                                          "which the plan splits differently"):
+        TensorPlan.from_mapping({"lm_head": {"style": "colwise", "gather": True}}, "plan").check(gpt2, 2)

@@ -197,3 +197,14 @@ def test_an_error_that_is_not_the_disks_keeps_its_traceback_and_leaves_nothing(t
         checkpointer.save({"model": {"w": torch.zeros(10)}, "bad": lambda: None}, 1)  # cannot be pickled
     assert not isinstance(caught.value, CheckpointError)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_hugging_face_directory_that_does_not_fit_is_one_line_and_leaves_nothing(small_fs):
+    import polytrain
+
+    small = small_fs(PAGE)  # one page: the model's 4.9 kB of tensors do not fit
+    with pytest.raises(CheckpointError, match=rf"^--save-model {re.escape(str(small))}/out: cannot write the model "
+                                              r"there \(No space left on device\); free space or give another path$"):
+        polytrain.fit(strategy="single", data="digits", model="mlp:hidden=16", steps=1, batch_size=32,
+                      progress="off", eval_every=0, save_model=str(small / "out"))
+    assert os.listdir(small / "out") == []  # no shard left under its temporary name, no index

@@ -2,6 +2,7 @@
 final model bit for bit the uninterrupted run's (CPU, same world size); --checkpoint-every-seconds; the
 settings a restart cannot work with."""
 
+import glob
 import json
 import os
 
@@ -56,6 +57,24 @@ def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterr
     assert [r["event"] for r in records].count("restart") == 1
 
 
+def test_a_restart_resumes_from_the_snapshot_in_memory_and_the_model_ends_bit_for_bit(tmp_path, monkeypatch):
+    """--snapshot-every 2 without periodic checkpoints on disk: the restart resumes from the newest snapshot (the
+    one being written when the worker died may not be whole: then the one before), and nothing is left in memory."""
+    settings = dict(STRATEGIES["sync"], checkpoint_every=0)
+    step = draw("snapshot", 5, STEPS - 2)
+    _, whole = _fit(tmp_path, "whole", settings)
+    before = set(glob.glob("/dev/shm/polytrain-snapshot-*"))
+    monkeypatch.setenv(KILL_ENV, f"rank=1,steps={step}")
+    summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1, snapshot_every=2)
+    assert summary["steps"] == STEPS and summary["restarts"] == 1, f"killed after step {step}"
+    last = (step - 1) // 2 * 2  # the newest snapshot before the kill (which comes before step's own)
+    (cause,) = summary["restart_causes"]
+    assert cause["resume_from"] in (f"step-{last:08d}.pt", f"step-{last - 2:08d}.pt"), (step, cause)
+    assert summary["snapshot_stall_s"]["checkpoints"] >= 1
+    assert all(torch.equal(whole[k], restarted[k]) for k in whole), f"killed after step {step}"
+    assert set(glob.glob("/dev/shm/polytrain-snapshot-*")) <= before
+
+
 def _no_workers_left(ctx):
     os._exit(9)  # every attempt dies: the restarts run out
 
@@ -76,6 +95,8 @@ def test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank(tmp_path):
 @pytest.mark.parametrize("settings, message", [
     (dict(max_restarts=2), r"--max-restarts 2 needs --checkpoint-dir DIR"),
     (dict(checkpoint_every_seconds=60), r"--checkpoint-every-seconds needs --checkpoint-dir DIR"),
+    (dict(checkpoint_background=True), r"--checkpoint-background needs --checkpoint-dir DIR"),
+    (dict(snapshot_every=2), r"--snapshot-every 2 needs --max-restarts R with --on-failure stop"),
     (dict(max_restarts=1, checkpoint_dir="CKPT", strategy="single"),
      r"--max-restarts: --strategy single with 1 process runs inside this one, which cannot restart itself"),
 ])
@@ -129,6 +150,9 @@ def test_under_torchrun_more_restarts_than_torchrun_has_is_one_line(tmp_path, mo
     config = make_config(**BASE, max_restarts=3, checkpoint_dir=str(tmp_path / "c"))
     with pytest.raises(ConfigError, match=r"^--max-restarts 3: under torchrun the restarts are torchrun's; give "
                                           r"torchrun --max-restarts 3 \(it has 1\)$"):
+        check_restarts(config)
+    config = make_config(**BASE, max_restarts=1, snapshot_every=5, checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"^--snapshot-every 5 needs polytrain's own launcher \(--workers N\): "):
         check_restarts(config)
 
 

@@ -41,8 +41,8 @@ def test_a_batch_larger_than_data_given_from_python_is_one_line():
     (dict(strategy="single", comm="backend", staleness=2, microbatches=2),
      "--staleness 2 (async), --microbatches 2 (hybrid, pipeline), --comm backend (sync): settings of other "
      "strategies, which --strategy single does not read; drop them"),
-    (dict(strategy="pipeline", dp=2), "--dp 2: the mesh of --strategy hybrid; --strategy pipeline has one replica "
-                                      "of --stages stages (drop it, or use hybrid)"),
+    (dict(strategy="pipeline", dp=2), "--dp 2: hybrid's deprecated name of --dp-replicate, which --strategy "
+                                      "pipeline does not read; use --dp-replicate (or --strategy hybrid)"),
 ])
 def test_a_setting_of_another_strategy_is_one_line(settings, message):
     """Left silently unread, --servers or --tolerate-worker-loss would leave the user thinking they act."""

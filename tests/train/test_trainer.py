@@ -26,11 +26,17 @@ def _losses(path):
 
 
 def test_same_seed_same_trajectory_other_seed_another(tmp_path):
-    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        polytrain.fit(strategy="single", steps=15, seed=seed, metrics_file=str(tmp_path / f"{name}.jsonl"), **BASE)
+    summaries = [polytrain.fit(strategy="single", steps=15, seed=seed, metrics_file=str(tmp_path / f"{name}.jsonl"),
+                               **BASE) for name, seed in (("a", 1), ("b", 1), ("c", 2))]
     a, b, c = (_losses(tmp_path / f"{n}.jsonl") for n in "abc")
     assert a == b and len(a) == 15
     assert a != c
+    # the rates: steady after the first 5 steps (reported apart), the start-up from fit() to the first step
+    summary, records = summaries[0], _records(tmp_path / "a.jsonl")
+    assert summary["warmup_steps"] == 5 and summary["warmup_s"] > 0 and summary["warmup_examples_per_sec"] > 0
+    assert summary["examples_per_sec"] > 0 and summary["startup_s"] >= 0
+    assert all(r["eta_s"] >= 0 for r in records) and records[-1]["eta_s"] == 0
+    assert [r["time_s"] for r in records] == sorted(r["time_s"] for r in records)
 
 
 @pytest.mark.parametrize("strategy, workers", [("single", 1), ("sync", 2)])

@@ -1,6 +1,6 @@
 """``--init-from PATH`` and ``--model hf:DIR``: a Hugging Face directory, a polytrain checkpoint directory (one file
-or parts) and a state_dict file start any strategy from exactly their weights, each rank reading only what it
-holds; what cannot be used is one line before anything starts."""
+or parts) and a state_dict file read by any block of a tensor; what cannot be used is one line before anything
+starts. (Runs that start from such weights: tests/weights/test_export.py, test_resume_rows.py.)"""
 
 from __future__ import annotations
 
@@ -13,30 +13,14 @@ import torch
 import polytrain
 from polytrain.config import make_config
 from polytrain.errors import ConfigError
-from polytrain.models.deferred import weights_of
 from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
 from polytrain.weights.opening import open_weights
-from tests.helpers.spawn import spawn
+from tests.weights.conftest import LM
 
 transformers = pytest.importorskip("transformers")
 from tests.weights.hf_dirs import save_tiny_llama  # noqa: E402
 
-LM = dict(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", batch_size=8, eval_every=0,
-          progress="off", timeout=120, optimizer="adam")
-AT_REST = dict(steps=1, lr=0.0, optimizer="sgd", seed=11)  # one step at lr 0: the model saved is the one loaded
-
-
-def _read_and_fit(ctx, config):
-    """This rank's bytes read of the weights while its part was made, of their whole; then the run."""
-    from polytrain.train.trainer import Trainer
-
-    trainer = Trainer(config, ctx.topology)
-    source = weights_of(trainer.strategy.module)
-    whole = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in source.tensors().values())
-    read = source.bytes_read
-    trainer.fit()
-    return read, whole
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +28,7 @@ def llama(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "llama")
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """A 2-worker fsdp run of transformer_lm that checkpointed in parts at step 2."""
-    directory = tmp_path_factory.mktemp("fsdp") / "ck"
-    polytrain.fit(**LM, strategy="fsdp", workers=2, steps=2, lr=0.01, seed=3, checkpoint_dir=str(directory))
-    return directory
-
-
-def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, parts, tmp_path):
+def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, lm_parts, tmp_path):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(llama).state_dict()
@@ -63,8 +39,8 @@ def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, parts
     name = "model.layers.1.mlp.up_proj.weight"  # 64 x 32
     assert torch.equal(source.read(name, (slice(10, 20), slice(4, 8))), reference[name][10:20, 4:8])
     assert source.bytes_read == 10 * 4 * 4
-    saved = load_checkpoint(parts / "step-00000002.pt")["model"]  # put together whole, as export does
-    from_parts = open_weights(parts)
+    saved = load_checkpoint(lm_parts / "step-00000002.pt")["model"]  # put together whole, as export does
+    from_parts = open_weights(lm_parts)
     for key, value in saved.items():  # rows across the two parts' boundary, and a part's own
         rows = slice(value.shape[0] // 2 - 1, value.shape[0]) if value.dim() else None
         assert torch.equal(from_parts.read(key, (rows,) if rows else None), value[rows] if rows else value), key
@@ -72,38 +48,7 @@ def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, parts
     assert torch.equal(open_weights(tmp_path / "sd.pt").read("head.out.weight"), saved["head.out.weight"])
 
 
-@pytest.fixture(scope="module")
-def runs(llama, parts, tmp_path_factory):
-    """fsdp 2 of --model hf:DIR, and tp 2 started from the fsdp checkpoint's parts; each one step at lr 0."""
-    out = tmp_path_factory.mktemp("out")
-    hf = make_config(**{**LM, **AT_REST, "model": f"hf:{llama}"}, strategy="fsdp", workers=2,
-                     save_model=str(out / "hf.pt"))
-    tp = make_config(**{**LM, **AT_REST}, init_from=str(parts), strategy="tp", workers=2, tp=2,
-                     save_model=str(out / "tp.pt"))
-    return {"hf": spawn(_read_and_fit, 2, hf), "tp": spawn(_read_and_fit, 2, tp), "out": out}
-
-
-def test_hf_dir_trains_from_its_weights_under_fsdp_each_rank_reading_its_rows(llama, runs):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(llama).state_dict()
-    trained = torch.load(runs["out"] / "hf.pt", weights_only=True)
-    assert trained.keys() == {k for k in reference if "inv_freq" not in k}
-    for key, value in trained.items():
-        assert torch.equal(value, reference[key]), key
-    for read, whole in runs["hf"]:  # each rank read its rows (and the small whole tensors), not the model
-        assert read < 0.6 * whole
-
-
-def test_a_checkpoint_in_parts_starts_tp_from_its_weights(parts, runs):
-    saved = load_checkpoint(parts / "step-00000002.pt")["model"]
-    trained = torch.load(runs["out"] / "tp.pt", weights_only=True)
-    assert trained.keys() == saved.keys()
-    for key, value in saved.items():
-        assert torch.equal(trained[key], value), key
-
-
-def test_weights_that_cannot_be_used_are_one_line_before_anything_starts(llama, parts, tmp_path, monkeypatch):
+def test_weights_that_cannot_be_used_are_one_line_before_anything_starts(llama, lm_parts, tmp_path, monkeypatch):
     def refused(pattern, **settings):
         with pytest.raises(ConfigError, match=pattern):
             check(make_config(**{**LM, **settings}))
@@ -127,7 +72,7 @@ def test_weights_that_cannot_be_used_are_one_line_before_anything_starts(llama, 
     refused(r"^--init-from .*cut: model\.safetensors\.index\.json names model-00002-of-00007\.safetensors, which is "
             r"not in the directory; copy the whole model directory", init_from=str(cut))
     damaged = tmp_path / "damaged"
-    shutil.copytree(parts, damaged)
+    shutil.copytree(lm_parts, damaged)
     part = next(damaged.glob("step-00000002.part-1-of-2.pt"))
     part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
     refused(r"^--init-from .*damaged: none of the 1 checkpoint\(s\) in .*damaged can be used: step-00000002\.pt has "

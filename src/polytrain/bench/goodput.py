@@ -6,9 +6,10 @@ processes, ``--strategy sync``, an unbounded ``--steps``, ``--log-every 1``) for
 time from its start, then stopped by SIGTERM (an orderly stop):
 
 * **undisturbed**: no checkpoint, no failure;
-* **max-restarts**: ``--max-restarts`` with ``--checkpoint-dir`` and ``--checkpoint-every-seconds C``; every
-  ``--failure-every`` seconds a random worker process is SIGKILLed; the launcher stops the others and starts
-  the job again from the latest checkpoint, redoing the steps since;
+* **max-restarts**: ``--max-restarts`` with ``--checkpoint-dir``, ``--checkpoint-every-seconds C`` and
+  ``--snapshot-every K`` (a snapshot in memory every K steps, with the bench's `--snapshot-every K`); every ``--failure-every`` seconds a random worker
+  process is SIGKILLed; the launcher stops the others and starts the job again from the latest snapshot (or
+  checkpoint), redoing the steps since;
 * **continue**: ``--on-failure continue`` (when the installed polytrain has it): the survivors go on without
   the killed worker; no checkpoint.
 
@@ -72,6 +73,7 @@ class GoodputBenchConfig:
     duration: float = 600.0  # seconds of wall time per job
     failure_every: float = 60.0  # seconds between kills
     checkpoint_every_seconds: float = 30.0  # the max-restarts job's checkpoints
+    snapshot_every: int = 0  # the max-restarts job's snapshots in memory, every this many steps (0: none)
     heartbeat_timeout: float = 8.0
     timeout: float = 300.0
     sides: tuple[str, ...] = SIDES
@@ -118,6 +120,8 @@ def command(cfg: GoodputBenchConfig, side: str, workdir: Path) -> list[str]:
     if side == "max-restarts":
         cmd += ["--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every-seconds",
                 f"{cfg.checkpoint_every_seconds:g}", "--max-restarts", str(cfg.kills + 10)]
+        if cfg.snapshot_every:
+            cmd += ["--snapshot-every", str(cfg.snapshot_every)]
     elif side == "continue":  # --max-restarts: a replacement joins for each lost worker (no checkpoint needed)
         cmd += ["--on-failure", "continue", "--max-restarts", str(cfg.kills + 10)]
     return cmd

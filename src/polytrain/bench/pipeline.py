@@ -87,7 +87,7 @@ class PipelineCase:
         if self.strategy == "single":
             return {"strategy": "single"}
         named = {"split_at": self.split_at} if self.split_at else {}
-        return {"strategy": "pipeline", "stages": self.stages, "microbatches": self.microbatches,
+        return {"strategy": "pipeline", "pp": self.stages, "microbatches": self.microbatches,
                 "schedule": self.schedule, **named}
 
     def theoretical_bubble(self) -> float:

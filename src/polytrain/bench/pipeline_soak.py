@@ -66,9 +66,9 @@ def soak_cases(cfg: SoakConfig) -> tuple[list[SoakCase], list[str]]:
                 except ConfigError as exc:
                     skipped.append(f"{name} P={p} M={m}: {exc}")
                     continue
-                out.append(SoakCase(f"pipeline {name} P={p} M={m}", ("--strategy", "pipeline", "--stages", str(p),
+                out.append(SoakCase(f"pipeline {name} P={p} M={m}", ("--strategy", "pipeline", "--pp", str(p),
                                     "--microbatches", str(m), "--schedule", name)))
-    out.append(SoakCase("hybrid dp=2 x pp=2 1f1b M=2", ("--strategy", "hybrid", "--workers", "4", "--dp", "2",
+    out.append(SoakCase("hybrid dp=2 x pp=2 1f1b M=2", ("--strategy", "hybrid", "--workers", "4", "--dp-replicate", "2",
                                                          "--pp", "2", "--microbatches", "2", "--schedule", "1f1b")))
     return out, skipped
 

@@ -63,6 +63,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--out", default="advise-results", metavar="DIR",
                         help="where the table, plot and runs go (default: advise-results)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the runs that would measure and the clusters predicted for, and exit")
     parser.set_defaults(handler=run)
 
 
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         from polytrain.compare.runner import Case, check_cases
 
         check_cases(cfg, [Case(measure.for_measuring(s), []) for s in specs])
+        if args.plan:
+            return _print_plan(cfg, specs, cases)
         profiles = measure.measure(cfg, specs, out / "runs", progress=lambda m: print(m, flush=True))
         meta = {"model": cfg.model, "data": cfg.data, "worker_batch_size": cfg.worker_batch_size,
                 "measure_workers": cfg.workers, "steps": cfg.steps,
@@ -144,6 +148,15 @@ def run(args: argparse.Namespace) -> int:
                     title=f"{meta.get('model')}: predicted for {cases[0].workers} workers")
         written.append(out / "advise.png")
     print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _print_plan(cfg: Any, specs: list[Any], cases: list[Any]) -> int:
+    from polytrain.advise import report
+
+    print(f"measuring {len(specs)} runs of {cfg.steps} steps here ({cfg.model} on {cfg.data}, {cfg.workers} workers): "
+          f"{', '.join(s.text for s in specs)}; then predicting for "
+          + "; ".join(f"{c.workers} workers on {report.format_rate(c.link_bps)} links" for c in cases), flush=True)
     return 0
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +61,8 @@ median step) and the speed ratio tp / plain (median of the per-repeat ratios, wi
 
 --suite goodput: polytrain train (sync, --workers 4) run for --duration seconds of wall time (600) three ways:
 undisturbed; with a random worker SIGKILLed every --failure-every seconds (60) and --max-restarts, a checkpoint
-every --checkpoint-every-seconds (30); and the same failures with --on-failure continue. Useful steps (the
+every --checkpoint-every-seconds (30) and, with --snapshot-every K, a snapshot in memory every K steps; and the same
+failures with --on-failure continue. Useful steps (the
 step reached when the time is up) per second, and goodput = useful steps / the undisturbed job's. Three jobs:
 about 3 x --duration in all."""
 
@@ -142,6 +146,9 @@ def add_parser(sub: Any) -> None:
                         help="goodput: seconds between killed workers, e.g. 60s (default: 60)")
     parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
                         help="goodput: the --max-restarts job's checkpoint interval (default: 30)")
+    parser.add_argument("--snapshot-every", type=int, metavar="K",
+                        help="goodput: the --max-restarts job's snapshots in memory, every K steps (default: 0, "
+                             "none)")
     parser.add_argument("--jobs", type=_names, dest="sides", metavar="J,J,..",
                         help="goodput: which jobs (default: undisturbed,max-restarts,continue)")
     parser.add_argument("--quick", action="store_true",
@@ -199,22 +206,19 @@ def bench_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from polytrain.errors import RunStopped
+
     cfg = bench_config(args)
     cfg.check()
-    if args.suite == "pipeline":
-        doc = _run_pipeline(cfg, args)
-    elif args.suite == "pipeline-soak":
-        doc = _run_soak(cfg, args)
-    elif args.suite == "compile":
-        doc = _run_compile(cfg, args)
-    elif args.suite == "fsdp":
-        doc = _run_fsdp(cfg, args)
-    elif args.suite == "tp":
-        doc = _run_tp(cfg, args)
-    elif args.suite == "goodput":
-        doc = _run_goodput(cfg, args)
-    else:
-        doc = _run_throughput(cfg, args)
+    _progress.restart()  # (the clock from this command's start)
+    try:
+        doc = _SUITES.get(args.suite, _run_throughput)(cfg, args)
+    except (RunStopped, KeyboardInterrupt) as exc:  # a signal stopped a run, or came between two: the whole bench
+        name, signum = (exc.signal_name, exc.signum) if isinstance(exc, RunStopped) else ("SIGINT", signal.SIGINT)
+        done = f" after {_progress.done} of {_progress.total} runs" if _progress.total else ""
+        raise RunStopped(f"bench stopped by {name or 'a signal'}{done}; no results written (a stopped bench keeps "
+                         "no measurement: run it again)", signal_name=name, signum=int(signum),
+                         resumable=False) from None
     if doc is None:
         return 0
     path = args.json or {"throughput": "polytrain-bench.json"}.get(args.suite, f"polytrain-bench-{args.suite}.json")
@@ -228,15 +232,43 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc.get("all_ok", True) else 1
 
 
-def _progress(message: str) -> None:
-    print(message, flush=True)
+_RUN = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+class _Progress:
+    """A suite's progress lines; after each ``[i/N]`` run, the time left at the pace so far."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.started, self.done, self.total = time.monotonic(), 0, 0
+
+    def __call__(self, message: str) -> None:
+        run = _RUN.match(message)
+        if run:
+            self.done, self.total = int(run.group(1)), int(run.group(2))
+            left = (time.monotonic() - self.started) / self.done * (self.total - self.done)
+            message += f"; about {_duration(left)} left" if self.done < self.total else ""
+        print(message, flush=True)
+
+
+_progress = _Progress()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _run_throughput(cfg, args: argparse.Namespace) -> dict | None:
     from polytrain.bench import describe, format_markdown, format_text, plan, run_bench
+    from polytrain.bench.cases import BenchConfig
     from polytrain.distributed.launch import available_cores
 
     print(describe(cfg, plan(cfg)), flush=True)
+    runs = len(plan(cfg)) * cfg.repeats
+    usual = " (the default settings: about 7 min on 2 CPU cores)" if cfg == BenchConfig() else ""
+    print(f"{runs} runs{usual}; the time left follows each", flush=True)
     if args.plan:
         return None
     if cfg.workers > available_cores():
@@ -318,3 +350,7 @@ def _run_goodput(cfg, args: argparse.Namespace) -> dict | None:
 
     print(describe(cfg), flush=True)
     return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
+
+
+_SUITES = {"pipeline": _run_pipeline, "pipeline-soak": _run_soak, "compile": _run_compile, "fsdp": _run_fsdp,
+           "tp": _run_tp, "goodput": _run_goodput, "throughput": _run_throughput}

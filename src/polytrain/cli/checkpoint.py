@@ -15,9 +15,13 @@ inspect: list every checkpoint in DIR with its size and checksum status and the 
 show what the newest good one (or --step N) holds: step, strategy, world size, data position, the model's
 tensors with shapes and sizes, the optimizer state and the total size.
 export: write the model of the newest good checkpoint (or --step N) as a plain state_dict, as
-'polytrain train --save-model' writes it; torch.load(FILE, weights_only=True) reads it; or, for a FILE
-ending in .safetensors (or --format safetensors), as safetensors, which Hugging Face libraries read.
-A checkpoint a sharded run wrote in parts is put together first: either file is single's layout."""
+'polytrain train --save-model FILE.pt' writes it (torch.load(FILE, weights_only=True) reads it); for a FILE
+ending in .safetensors (or --format safetensors), as one safetensors file; for a directory (a path without a
+suffix, ending in /, or an empty directory; or --format hf), as a Hugging Face directory: config.json (of a
+transformers model), model-0000K-of-0000N.safetensors shards of at most --shard-size and their
+model.safetensors.index.json, which transformers' from_pretrained and 'polytrain train --init-from' read.
+safetensors and hf are written one tensor at a time, read from the checkpoint (one file, or the parts a
+sharded run wrote) as they are written: the whole model is never in memory. pt puts it together first."""
 
 EXAMPLES = """\
 examples:
@@ -25,6 +29,7 @@ examples:
   polytrain checkpoint inspect runs/c10 --step 1000
   polytrain checkpoint export runs/c10 model.pt
   polytrain checkpoint export runs/c10 model.safetensors
+  polytrain checkpoint export runs/lm exported/          # a Hugging Face directory
 """
 
 
@@ -40,12 +45,15 @@ def add_parser(sub: Any) -> None:
     inspect.set_defaults(handler=run_inspect)
     export = actions.add_parser("export", help="write a checkpoint's model as a plain state_dict")
     export.add_argument("dir", metavar="DIR", help="a --checkpoint-dir")
-    export.add_argument("out", metavar="FILE", help="where to write the state_dict (e.g. model.pt)")
+    export.add_argument("out", metavar="OUT", help="where to write the model: model.pt, model.safetensors, or a "
+                                                   "directory (Hugging Face's layout)")
     export.add_argument("--step", type=int, metavar="N", help="export this step (default: the newest good one)")
-    export.add_argument("--format", choices=("pt", "safetensors"), default=None,
-                        help="pt: torch.save's (torch.load(FILE, weights_only=True) reads it); safetensors: the "
-                             "format Hugging Face libraries read (default: safetensors for a FILE ending in "
-                             ".safetensors, else pt)")
+    export.add_argument("--format", choices=("pt", "safetensors", "hf"), default=None,
+                        help="pt: torch.save's (torch.load(FILE, weights_only=True) reads it); safetensors: one "
+                             "file; hf: a Hugging Face directory (default: hf for a directory, safetensors for a "
+                             "FILE ending in .safetensors, else pt)")
+    export.add_argument("--shard-size", default="5GB", metavar="SIZE",
+                        help="hf: the most bytes of tensors per safetensors shard (default 5GB, as save_pretrained)")
     export.set_defaults(handler=run_export)
 
 
@@ -73,8 +81,9 @@ def run_export(args: argparse.Namespace) -> int:
     from polytrain.errors import ConfigError
     from polytrain.train.files import atomic_save
 
-    _check_export_path(args.out)
-    _, verdicts = _verdicts(args.dir)
+    form = _export_format(args)
+    _check_export_path(args.out, form)
+    _, verdicts = _verdicts(args.dir, lazy=form != "pt")
     chosen = _pick(args, verdicts)
     if not chosen.ok:
         raise ConfigError(f"checkpoint {chosen.describe()}")
@@ -84,16 +93,14 @@ def run_export(args: argparse.Namespace) -> int:
         if args.step is None:
             print(f"polytrain: warning: checkpoint {verdict.describe()}; skipped for an earlier one",
                   file=sys.stderr)
+    if form != "pt":
+        return _export_streamed(args, chosen, form)
     model = chosen.state.get("model")
     if not isinstance(model, dict) or not model:
         raise ConfigError(f"checkpoint {chosen.path} holds no model state_dict")
     tensors = {k: v.detach().cpu() for k, v in model.items()}
-    form = args.format or ("safetensors" if args.out.endswith(".safetensors") else "pt")
     try:
-        if form == "safetensors":
-            _save_safetensors(tensors, args.out, chosen.state)
-        else:
-            atomic_save(tensors, args.out)
+        atomic_save(tensors, args.out)
     except OSError as exc:
         raise ConfigError(f"{args.out}: cannot write the model there ({exc.strerror or exc})") from None
     print(f"wrote {args.out}: the model of step {chosen.state['step']} ({len(model)} tensors, {form}) from "
@@ -101,42 +108,71 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _save_safetensors(tensors: dict[str, Any], out: str, state: dict[str, Any]) -> None:
-    """``tensors`` as a safetensors file, written to a temporary name and renamed into place. Tensors that
-    share memory (tied weights) are written as copies each: the format holds no aliases."""
+def _export_format(args: argparse.Namespace) -> str:
+    """--format, else: safetensors for a FILE ending in .safetensors, hf for a directory (a path without a
+    suffix or ending in /, or an empty directory or one a Hugging Face model was written into), else pt."""
     import os
+
+    from polytrain.weights.export import is_directory_target
+
+    if args.format:
+        return args.format
+    if args.out.endswith(".safetensors"):
+        return "safetensors"
+    if os.path.isdir(args.out):
+        listed = os.listdir(args.out)
+        return "hf" if not listed or "config.json" in listed or "model.safetensors.index.json" in listed else "pt"
+    return "hf" if is_directory_target(args.out) else "pt"
+
+
+def _export_streamed(args: argparse.Namespace, chosen: Any, form: str) -> int:
+    """safetensors and hf: the chosen checkpoint (verified, mapped) written one tensor at a time."""
     from pathlib import Path
 
+    from polytrain.devices.memory_limit import parse_size
     from polytrain.errors import ConfigError
-    from polytrain.train.files import tmp_path
+    from polytrain.train.lazy import lazy_checkpoint
+    from polytrain.weights.export import export_source
 
     try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise ConfigError("--format safetensors needs the safetensors package: "
-                          "pip install 'polytrain[safetensors]'") from None
-
-    path = Path(out)
-    tmp = tmp_path(path)
-    metadata = {"format": "pt", "polytrain_step": str(state.get("step")),
-                "polytrain_model": str((state.get("config") or {}).get("model", ""))}
+        shard = parse_size(args.shard_size)
+    except ValueError as exc:
+        raise ConfigError(f"--shard-size: {exc}") from None
+    checkpoint = lazy_checkpoint(chosen)
+    names = list(checkpoint.model.tensors())
+    if not names:
+        raise ConfigError(f"checkpoint {chosen.path} holds no model state_dict")
+    config = checkpoint.run.get("hf_config") if form == "hf" else None
+    metadata = {"polytrain_step": str(checkpoint.run.get("step")),
+                "polytrain_model": str((checkpoint.run.get("config") or {}).get("model", ""))}
     try:
-        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        records = export_source(Path(args.out), checkpoint.model, names, config, shard, metadata,
+                                directory=form == "hf")
+    except OSError as exc:
+        raise ConfigError(f"{args.out}: cannot write the model there ({exc.strerror or exc})") from None
+    what = f"{form}, {len(records)} file(s)" if form == "hf" else form
+    print(f"wrote {args.out}: the model of step {checkpoint.run['step']} ({len(names)} tensors, {what}) from "
+          f"{chosen.path}")
+    if form == "hf" and config is None:
+        print(f"polytrain: warning: {args.out}: no config.json: the checkpoint's model is not a transformers model "
+              "(from_pretrained needs one); 'polytrain train --init-from' reads the directory", file=sys.stderr)
+    return 0
 
 
-def _check_export_path(out: str) -> None:
-    """One ConfigError line if ``out`` is a directory or its directory is missing (export creates none)."""
+def _check_export_path(out: str, form: str = "pt") -> None:
+    """One ConfigError line if ``out`` is a directory where a file is expected, or its directory is missing
+    (export creates none but a Hugging Face directory itself)."""
     import os
 
     from polytrain.errors import ConfigError
 
-    parent = os.path.dirname(out) or "."
-    if os.path.isdir(out):
+    parent = os.path.dirname(out.rstrip(os.sep)) or "."
+    if form == "hf":
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ConfigError(f"{out}: is a file; give a directory to write the Hugging Face model into")
+    elif os.path.isdir(out):
         raise ConfigError(f"{out}: is a directory; give the path of the file to write (e.g. "
-                          f"{os.path.join(out, 'model.pt')})")
+                          f"{os.path.join(out, 'model.pt')}), or --format hf for a Hugging Face directory there")
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise ConfigError(f"{out}: {parent} is a file, not a directory; give a path in an existing directory")
     if not os.path.isdir(parent):
@@ -155,8 +191,9 @@ def _in_use_line(directory: str) -> str | None:
     return f"{directory}: in use by a live run ({who}); it may write a newer checkpoint at any time"
 
 
-def _verdicts(directory: str) -> tuple[Any, list[Any]]:
-    """The directory's checkpoints, each verified, in the order --resume tries them."""
+def _verdicts(directory: str, lazy: bool = False) -> tuple[Any, list[Any]]:
+    """The directory's checkpoints, each verified, in the order --resume tries them (``lazy``: mapped, parts
+    not put together)."""
     from polytrain.errors import ConfigError
     from polytrain.train.checkpoint import Checkpointer
     from polytrain.train.integrity import verify
@@ -165,7 +202,7 @@ def _verdicts(directory: str) -> tuple[Any, list[Any]]:
     candidates = checkpointer.candidates()
     if not candidates:
         raise ConfigError(f"{directory}: no checkpoint there (no step-NNNNNNNN.pt file)")
-    return checkpointer, [verify(path) for path in candidates]
+    return checkpointer, [verify(path, lazy=lazy) for path in candidates]
 
 
 def _pick(args: argparse.Namespace, verdicts: list[Any]) -> Any:

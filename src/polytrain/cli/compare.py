@@ -57,6 +57,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--out", default="compare-results", metavar="DIR",
                         help="where the table, plot and per-case metrics go (default: compare-results)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--plan", action="store_true", help="print the runs that would be made and exit")
     parser.set_defaults(handler=run)
 
 
@@ -102,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("the plot needs matplotlib: pip install polytrain[plot], or pass --no-plot")
     for note in notes:
         print(f"note: {note}", flush=True)
+    if args.plan:
+        print(f"{len(cases) * cfg.repeats} runs of {cfg.steps} steps ({cfg.model} on {cfg.data}, {cfg.workers} "
+              f"workers), in this order:\n" + "\n".join(f"  {case.label}" for case in cases), flush=True)
+        return 0
     out = Path(args.out)
     outcomes = compare.run_cases(cfg, cases, out / "runs", progress=lambda message: print(message, flush=True))
     doc = compare.document(cfg, compare.rows(cfg, outcomes), outcomes, notes)

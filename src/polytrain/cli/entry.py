@@ -18,15 +18,37 @@ from polytrain.cli.starting import answer_while_starting, starting_done
 
 
 def main() -> int:
+    from polytrain.train.startup import mark, process_started_at
+
+    mark(process_started_at())  # the summary's startup_s counts from here (imports included)
     answer_while_starting()
     try:
-        from polytrain.cli.main import main as command
+        light = _light_command(sys.argv[1:])
+        if light is None:
+            from polytrain.cli.main import main as command
     except BaseException:
         starting_done()
         raise
-    code = command()  # (it calls starting_done() once its arguments are read)
+    code = light() if light is not None else command()  # (each calls starting_done() once its arguments are read)
     exit_now(code)
     return code  # (not reached)
+
+
+#: commands that need neither the settings nor the strategies: their module alone is imported (torch, not
+#: torch.distributed's tensor, pipelining and compiler modules that registering every strategy imports)
+LIGHT_COMMANDS = {"devices": "polytrain.cli.devices"}
+
+
+def _light_command(argv: list[str]):
+    """The command's function when ``argv`` names a light command (``polytrain devices ...``), else None."""
+    if not argv or argv[0] not in LIGHT_COMMANDS:
+        return None
+    import importlib
+
+    from polytrain.cli.main_light import run_light
+
+    module = importlib.import_module(LIGHT_COMMANDS[argv[0]])
+    return lambda: run_light(module, argv)
 
 
 def exit_now(code: object) -> None:

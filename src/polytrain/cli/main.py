@@ -18,18 +18,12 @@ from polytrain.cli import generate as generate_cmd
 from polytrain.cli import plan as plan_cmd
 from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
+from polytrain.cli.main_light import Parser
 from polytrain.cli.starting import starting_done
 from polytrain.distributed.processes import stop_helper_processes
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped
 from polytrain.strategies import available_strategies
-
-
-class Parser(argparse.ArgumentParser):
-    """Reports usage errors as one line that names the fix, instead of a usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

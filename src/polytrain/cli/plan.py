@@ -48,26 +48,31 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from polytrain.cli.train import config_from
-    from polytrain.strategies import get_strategy
-    from polytrain.strategies.base import registered
+    from polytrain.strategies.base import registered, strategy_class
     from polytrain.strategies.settings import check_settings_read
     from polytrain.parallel.memory_plan import estimate_memory
-    from polytrain.train.run import layout_of
+    from polytrain.parallel.degrees import order
+    from polytrain.train.run import layout_of, warn_deprecated
 
     config = config_from(args)
+    warn_deprecated(config)
     layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
-    check_settings_read(config, get_strategy(config.train.strategy), registered())
+    check_settings_read(config, strategy_class(config, layout), registered())
     schedule = _schedule(config, layout)
     traced_split = _traced_split(config, layout)  # a model the tracer cuts: where, and what each stage holds
     tp_plan = _tp_plan(config, layout)
     memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
+    steps = order(dict(layout.axes), strategy_class(config, layout).meeting, config.units)
     if getattr(args, "json", False):
-        print(json.dumps({"layout": layout.as_dict(), **({"pipeline": schedule} if schedule else {}),
+        print(json.dumps({"layout": layout.as_dict(), "order": [s.strip() for s in steps],
+                          **({"pipeline": schedule} if schedule else {}),
                           **({"traced_split": dataclasses.asdict(traced_split)} if traced_split else {}),
                           **({"tp_plan": tp_plan[0].as_dict()} if tp_plan else {}),
                           "memory": memory.as_dict()}, indent=2))
         return 0
     print(layout.describe())
+    print("  in order: how each replica is made, then how the replicas meet:")
+    print("\n".join(f"  {step}" for step in steps))
     if tp_plan:
         print()
         print(tp_plan[0].describe(layout.axis("tp"), tp_plan[1]))

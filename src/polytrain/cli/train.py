@@ -19,7 +19,31 @@ examples:
   polytrain train --workers 4 --data cifar10:~/data/cifar-10-batches-py --lr 0.1 \\
       --lr-schedule exponential:rate=0.1,decay_steps=10000,staircase=true --checkpoint-dir runs/c10
   torchrun --nnodes 2 --nproc-per-node 4 ... -m polytrain train --strategy sync   (see README)
+
+This help shows the settings most runs use; polytrain train --help-all shows every one (each strategy's own,
+devices, launcher, restarts, logging, profiling).
 """
+
+
+#: the settings ``--help`` shows, those most runs set; ``--help-all`` shows every one
+COMMON = ("strategy", "workers", "device", "model", "model_args", "data", "data_args", "batch_size", "steps", "epochs",
+          "optimizer", "lr", "lr_schedule", "precision", "seed", "eval_every", "checkpoint_dir", "checkpoint_every",
+          "resume", "save_model", "metrics_file", "log_dir", "tracker")
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help with every setting, the ones ``--help`` leaves out given back their lines."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, hidden: Any = (), **kwargs: Any):
+        kwargs.pop("default", None)  # (the parser's argument_default)
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+        self.hidden = hidden  # (action, its help) of each setting left out of --help
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        for action, text in self.hidden:
+            action.help = text
+        parser.print_help()
+        parser.exit()
 
 
 def add_parser(sub: Any) -> None:
@@ -33,12 +57,19 @@ def add_parser(sub: Any) -> None:
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE.toml`` and every setting's flag, grouped by section (``train`` and ``plan`` share them)."""
+    """``--config FILE.toml`` and every setting's flag, grouped by section (``train`` and ``plan`` share them);
+    ``--help`` shows the :data:`COMMON` ones, ``--help-all`` every one."""
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
+    hidden: list[tuple[argparse.Action, str]] = []
+    parser.add_argument("--help-all", action=_HelpAll, hidden=hidden,
+                        help="show every setting, grouped (this help shows those most runs use)")
     for section, infos in options_by_section():
         group = parser.add_argument_group(section_titles()[section])
         for info in infos:
-            group.add_argument(info.flag, dest=info.key, **_argument_kwargs(info))
+            action = group.add_argument(info.flag, dest=info.key, **_argument_kwargs(info))
+            if info.key not in COMMON:
+                hidden.append((action, action.help))
+                action.help = argparse.SUPPRESS
 
 
 def config_from(args: argparse.Namespace) -> Any:
@@ -95,10 +126,20 @@ def format_summary(summary: dict[str, Any]) -> str:
                 + (f"\n  {evaluation}" if summary.get("eval_loss") is not None else ""))
     return (f"done: {summary['steps']} steps in {where}\n"
             f"  train loss {num('train_loss')}  {evaluation}\n"
-            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}" + memory_line(summary)
+            f"  {num('examples_per_sec', '.1f')} examples/sec{per_rank}{_warmup_text(summary)}" + memory_line(summary)
             + (f"\n  packed documents: {summary['packed_efficiency']:.1%} of the token positions are real tokens"
                if summary.get("packed_efficiency") is not None else "")
             + _restarts_line(summary) + _lost_line(summary) + _membership_line(summary))
+
+
+def _warmup_text(summary: dict[str, Any]) -> str:
+    """After the steady rate: the warm-up steps apart, and the start-up (the command to the first step)."""
+    parts = []
+    if summary.get("warmup_steps") and summary.get("warmup_examples_per_sec") and summary.get("examples_per_sec"):
+        parts.append(f"after {summary['warmup_steps']} warm-up steps at {summary['warmup_examples_per_sec']:.1f}")
+    if summary.get("startup_s") is not None:
+        parts.append(f"first step {summary['startup_s']:.1f} s after the start")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _nothing_trained(summary: dict[str, Any]) -> bool:

@@ -149,7 +149,7 @@ def run_cases(cfg: CompareConfig, cases: list[Case], workdir: Path,
             summary = polytrain.fit(**cfg.settings(case.spec, case.stragglers), metrics_file=str(metrics))
             outcome = read_outcome(case, summary, metrics, r)
         progress(f"    {outcome.examples_per_sec} examples/sec, eval accuracy "
-                 f"{outcome.summary.get('eval_accuracy')}, {outcome.summary.get('wall_s')} s"
+                 f"{_shown(outcome.summary.get('eval_accuracy'), '.4f')}, {_shown(outcome.summary.get('wall_s'), '.1f')} s"
                  + (f", link busy {outcome.link_stats.get('link_utilisation', 0) * 100:.0f} % of the time"
                     if outcome.link_stats.get("link_utilisation") is not None else ""))
         outcomes.append(outcome)
@@ -167,3 +167,8 @@ def read_outcome(case: Case, summary: dict[str, Any], metrics: Path, round: int 
     evals = [(r["step"], time_at.get(r["step"]), r["eval_loss"], r.get("eval_accuracy"))
              for r in records if r["event"] == "eval"]
     return Outcome(case.label, case.spec.name, case.stragglers, summary, curve, evals, round)
+
+
+def _shown(value: Any, spec: str) -> str:
+    """A summary's number as a progress line shows it (an accuracy to 4 places, not 16); None as is."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)

@@ -45,7 +45,7 @@ class Batch:
         return iter((self.step, self.inputs, self.targets))
 
     def __len__(self) -> int:
-        return len(self.inputs)
+        return self.inputs.shape[0]  # (not len(): a Python-level call of torch's, every step)
 
 
 @dataclass(frozen=True)
@@ -170,9 +170,12 @@ class Slice:
                 raise ValueError(f"slices {self.sizes} do not add up to the batch of {len(items)}")
             start = sum(self.sizes[: self.index])
             return items[start : start + self.sizes[self.index]]
-        if len(items) % self.count:
-            raise ValueError(f"a batch of {len(items)} does not split evenly over {self.count} workers")
-        size = len(items) // self.count
+        if self.count == 1:
+            return items
+        count = items.shape[0]
+        if count % self.count:
+            raise ValueError(f"a batch of {count} does not split evenly over {self.count} workers")
+        size = count // self.count
         return items[self.index * size : (self.index + 1) * size]
 
     def take_ragged(self, items: torch.Tensor) -> torch.Tensor:
@@ -238,7 +241,7 @@ class SlicedBatches:
             x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
         else:
             x, y = torch.utils.data.default_collate([self.dataset[int(i)] for i in mine])
-        return Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), len(everyone), mine)
+        return Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), everyone.shape[0], mine)
 
     def _loader(self) -> Iterator[Batch]:
         step = self.start_step
@@ -256,7 +259,7 @@ class SlicedBatches:
     def _units(self, everyone: torch.Tensor) -> int:
         """The loss units of the whole global batch: what the dataset counts (real tokens), else examples."""
         count = getattr(self.dataset, "count_units", None)
-        return int(count(everyone)) if count is not None else len(everyone)
+        return int(count(everyone)) if count is not None else everyone.shape[0]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if t.device != self.device else t

@@ -5,7 +5,9 @@ A user factory returns a :class:`DataBundle`, or a ``(train, test)`` pair of map
 ``torch.utils.data.Dataset``s (``test`` may be None) whose items are ``(input, target)``; polytrain then
 reads the input shape from the first example and the task from the targets (integer class labels, or
 0./1. floats for a binary task). ``--data-arg num_classes=N`` saves a scan of the targets.
-A factory that accepts ``run_seed`` gets the run's ``--seed`` (for random augmentation).
+A factory that accepts ``run_seed`` gets the run's ``--seed`` (for random augmentation). Before any worker
+starts, a run calls a factory once in the launching process and checks what it returns
+(:mod:`polytrain.train.data_check`).
 """
 
 from __future__ import annotations
@@ -185,32 +187,50 @@ def bundle_from_datasets(name: str, train: Dataset, test: Dataset | None, *, num
                          task: str | None = None) -> DataBundle:
     """Describe plain map-style datasets: input shape from the first example, task and classes from targets."""
     if len(train) == 0:
-        raise DataError(f"--data {name}: the training dataset is empty")
-    first_input, first_target = _example(train, 0, name)
-    target = torch.as_tensor(first_target)
+        raise DataError(f"--data {name}: the train set is empty; give it examples")
+    first_input, target = example_pair(train, 0, f"--data {name}")
     if task is None:
         task = "binary" if target.is_floating_point() else "classification"
     if num_classes is None:
         num_classes = 2 if task == "binary" else _count_classes(train, name)
-    return DataBundle(name=name, train=train, test=test, input_shape=tuple(torch.as_tensor(first_input).shape),
+    return DataBundle(name=name, train=train, test=test, input_shape=tuple(first_input.shape),
                       num_classes=int(num_classes), task=task,
-                      default_model="mlp" if torch.as_tensor(first_input).dim() != 3 else "cifar_cnn")
+                      default_model="mlp" if first_input.dim() != 3 else "cifar_cnn")
 
 
-def _example(data: Dataset, index: int, name: str) -> tuple[Any, Any]:
+def example_pair(data: Dataset, index: int, what: str, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """Example ``index`` of ``data`` (the ``split`` set of ``what``, e.g. ``--data SPEC``) as an (input, target)
+    pair of tensors; one DataError line if it is not one."""
     item = data[index]
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise DataError(f"--data {name}: examples must be (input, target) pairs, got {type(item).__name__}")
-    return item[0], item[1]
+        raise DataError(f"{what}: {split} example {index} is a {type(item).__name__}, not an (input, target) pair; "
+                        "make the dataset's __getitem__ return (input, target)")
+    pair = []
+    for part, value in zip(("input", "target"), item):
+        try:
+            pair.append(torch.as_tensor(value))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise DataError(f"{what}: {split} example {index} has an {part} of type {type(value).__name__}, which "
+                            f"is not a tensor ({exc}); return tensors or numbers") from None
+    return pair[0], pair[1]
 
 
 def _count_classes(data: Dataset, name: str) -> int:
     targets = getattr(data, "targets", None)
     if targets is None:
         count = min(len(data), _SCAN_LIMIT)
-        targets = [_example(data, i, name)[1] for i in range(count)]
-    labels = torch.as_tensor(targets if not isinstance(targets, list) else [int(t) for t in targets])
-    if labels.is_floating_point() or labels.numel() == 0 or labels.min() < 0:
-        raise DataError(f"--data {name}: class targets must be integers >= 0; for a binary task return float "
-                        "0./1. targets, or pass --data-arg num_classes=N")
+        targets = [example_pair(data, i, f"--data {name}")[1] for i in range(count)]
+    labels = torch.as_tensor(targets if not isinstance(targets, list) else [_label(t) for t in targets])
+    bad = (labels < 0).nonzero() if not labels.is_floating_point() else torch.zeros(1, 1, dtype=torch.long)
+    if labels.numel() and len(bad):
+        index = int(bad[0][0])
+        value = labels[index].item()
+        raise DataError(f"--data {name}: train example {index} has target {value:.4g}; class targets "
+                        "must be integers >= 0; for a binary task return float 0./1. targets, or pass "
+                        "--data-arg num_classes=N")
     return int(labels.max()) + 1
+
+
+def _label(target: Any) -> Any:
+    value = torch.as_tensor(target)
+    return value.item() if value.numel() == 1 else value

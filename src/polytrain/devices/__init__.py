@@ -1,43 +1,40 @@
 """Devices: one parser for device names, discovery, explicit placement, the placement log, soft placement,
 the GPU memory cap and the CPU allocator setting. docs/devices.md is the user guide; docs/migration.md maps
 TensorFlow's names here.
+
+The names below are imported from their modules on first use (PEP 562), so that ``polytrain devices``, which
+needs discovery alone, does not import torch where the build has no GPU to ask about.
 """
 
-from polytrain.devices.config import DeviceConfig, check_device_config
-from polytrain.devices.discovery import (
-    DeviceInfo,
-    available_device_names,
-    format_devices,
-    list_devices,
-    usable_cores,
-)
-from polytrain.devices.host_memory import describe_host_memory, set_host_memory
-from polytrain.devices.memory import check_memory_fraction, set_gpu_memory_fraction
-from polytrain.devices.placement import (
-    device,
-    install_input_hooks,
-    model_devices,
-    model_input_device,
-    model_output_device,
-    place,
-)
-from polytrain.devices.placement_log import (
-    OpDeviceLog,
-    OpRecord,
-    PlacementLogger,
-    log_placement,
-    module_table,
-)
-from polytrain.devices.plan import PlacementPlan
-from polytrain.devices.runtime import DeviceRuntime
-from polytrain.devices.soft import SoftPlacementMode, device_error_for, operator_errors
-from polytrain.devices.spec import DeviceSpec, default_backend, parse_device, resolve_device
+import importlib as _importlib
 
-__all__ = [
-    "DeviceConfig", "DeviceInfo", "DeviceRuntime", "DeviceSpec", "OpDeviceLog", "OpRecord", "PlacementLogger", "PlacementPlan",
-    "SoftPlacementMode", "available_device_names", "check_device_config", "check_memory_fraction", "default_backend",
-    "describe_host_memory", "device",
-    "device_error_for", "format_devices", "install_input_hooks", "list_devices", "log_placement",
-    "model_devices", "model_input_device", "model_output_device", "module_table", "operator_errors",
-    "parse_device", "place", "resolve_device", "set_gpu_memory_fraction", "set_host_memory", "usable_cores",
-]
+_EXPORTS = {
+    **{name: "polytrain.devices.config" for name in ("DeviceConfig", "check_device_config")},
+    **{name: "polytrain.devices.discovery" for name in ("DeviceInfo", "available_device_names", "format_devices",
+                                                        "list_devices", "usable_cores")},
+    **{name: "polytrain.devices.host_memory" for name in ("describe_host_memory", "set_host_memory")},
+    **{name: "polytrain.devices.memory" for name in ("check_memory_fraction", "set_gpu_memory_fraction")},
+    **{name: "polytrain.devices.placement" for name in ("device", "install_input_hooks", "model_devices",
+                                                        "model_input_device", "model_output_device", "place")},
+    **{name: "polytrain.devices.placement_log" for name in ("OpDeviceLog", "OpRecord", "PlacementLogger",
+                                                            "log_placement", "module_table")},
+    "PlacementPlan": "polytrain.devices.plan",
+    "DeviceRuntime": "polytrain.devices.runtime",
+    **{name: "polytrain.devices.soft" for name in ("SoftPlacementMode", "device_error_for", "operator_errors")},
+    **{name: "polytrain.devices.spec" for name in ("DeviceSpec", "default_backend", "parse_device",
+                                                   "resolve_device")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'polytrain.devices' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

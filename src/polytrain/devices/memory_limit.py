@@ -123,6 +123,16 @@ def restore(applied: Applied | None) -> None:
         _applied.remove(applied)
 
 
+def room() -> int | None:
+    """The bytes this process may still allocate under its ``--memory-limit`` (None: no limit)."""
+    applied = _applied[-1] if _applied else None
+    if applied is None:
+        return None
+    if applied.device.type == "cuda":
+        return max(0, applied.limit - int(torch.cuda.memory_allocated(applied.device)))
+    return max(0, applied.baseline + applied.limit - vm_data())
+
+
 @contextlib.contextmanager
 def limited(text: str | None, device: torch.device, rank: int = 0) -> Iterator[Applied | None]:
     """Run the block under ``--memory-limit text`` (the rank named in the error) and restore the previous

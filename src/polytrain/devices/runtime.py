@@ -86,9 +86,24 @@ class DeviceRuntime:
                 stack.enter_context(self.soft_mode)
             yield
 
-    @contextlib.contextmanager
-    def step_context(self, step: int) -> Iterator[None]:
+    @property
+    def plain(self) -> bool:
+        """Whether a step needs nothing but :func:`operator_errors` (no per-operator log, no soft placement)."""
+        return self.placement_logger is None and self.soft_mode is None
+
+    @property
+    def recording(self) -> bool:
+        """Whether the per-operator log is recording the step now running."""
+        return self.placement_logger is not None and self.placement_logger.active is not None
+
+    def step_context(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Wrap training step ``step`` (counted from 0)."""
+        if self.plain:
+            return operator_errors()  # (one shared object, no generator)
+        return self._step_context(step)
+
+    @contextlib.contextmanager
+    def _step_context(self, step: int) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(operator_errors())
             if self.placement_logger is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +26,7 @@ from polytrain.devices.discovery import available_device_names
 from polytrain.devices.placement import to_device
 from polytrain.devices.spec import LOGGER_NAME
 from polytrain.errors import DeviceError
+from polytrain.log import EVERY_RANK
 
 # PyTorch's wording for a missing kernel, with the operator and the backend it lacks
 _MISSING_KERNEL = (
@@ -66,7 +67,7 @@ class SoftPlacementMode(TorchDispatchMode):
         if name not in self.fallen_back:
             self.log.warning("soft placement: operator %s is not implemented for %s (%s); running it on %s with "
                              "its inputs moved there and its outputs moved back (logged once per operator)",
-                             name, home, _first_line(exc), self.fallback)
+                             name, home, _first_line(exc), self.fallback, extra=EVERY_RANK)
         self.fallen_back[name] = self.fallen_back.get(name, 0) + 1
         moved_args, moved_kwargs = to_device(args, self.fallback), to_device(kwargs, self.fallback)
         try:
@@ -153,13 +154,26 @@ def device_error_for(exc: NotImplementedError) -> DeviceError | None:
     return None
 
 
-@contextlib.contextmanager
-def operator_errors() -> Iterator[None]:
+class _OperatorErrors:
+    """The context :func:`operator_errors` returns: one object for every use (it holds nothing), entered at every
+    training step at the cost of two method calls."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if kind is not None and issubclass(kind, NotImplementedError):
+            error = device_error_for(exc)  # type: ignore[arg-type]
+            if error is not None:
+                raise error from exc
+        return False
+
+
+_OPERATOR_ERRORS = _OperatorErrors()
+
+
+def operator_errors() -> contextlib.AbstractContextManager[None]:
     """Turn PyTorch's missing-kernel NotImplementedError raised inside the block into a DeviceError."""
-    try:
-        yield
-    except NotImplementedError as exc:
-        error = device_error_for(exc)
-        if error is None:
-            raise
-        raise error from exc
+    return _OPERATOR_ERRORS

@@ -34,6 +34,7 @@ from polytrain.devices.discovery import (
     mps_available,
 )
 from polytrain.errors import DeviceError
+from polytrain.log import EVERY_RANK
 
 LOGGER_NAME = "polytrain.devices"
 ACCEPTED_FORMS = ("cpu, cpu:0, cpu:N (N CPU workers), cuda, cuda:1, gpu:1, /gpu:1, /device:GPU:1, "
@@ -242,7 +243,8 @@ def resolve_device(spec: str | DeviceSpec | torch.device, *, local_rank: int = 0
             f"device '{requested}'{origin} is not available: {problem}; available devices: "
             f"{', '.join(available_device_names())}; choose one of them, or allow a fallback to {fallback} "
             f"with --soft-placement (soft=True)")
-    log.warning("soft placement: device '%s' is not available (%s); using %s instead", requested, problem, fallback)
+    log.warning("soft placement: device '%s' is not available (%s); using %s instead", requested, problem, fallback,
+                extra=EVERY_RANK)
     return fallback
 
 
@@ -277,7 +279,7 @@ def _resolve_auto(local_rank: int, log: logging.Logger) -> torch.device:
         if local_rank >= count:
             # more workers than GPUs: sharing works with gloo; launch refuses it for nccl
             log.warning("device auto: local worker %d but only %d GPU(s) visible; sharing cuda:%d",
-                        local_rank, count, local_rank % count)
+                        local_rank, count, local_rank % count, extra=EVERY_RANK)
         return torch.device("cuda", local_rank % count)
     return torch.device("mps") if mps_available() else torch.device("cpu")
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from polytrain.distributed import collectives, hangs
 from polytrain.distributed.lost import LostRanks
 from polytrain.errors import PeerLostError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 
 #: a counter at or past this value: the rank ended normally (goodbye); past FAILED: it failed with an error
 BYE = 1 << 40
@@ -139,7 +139,7 @@ class Heartbeat:
             self._watch()
         except Exception as exc:  # a bug here must not kill the job; it only stops the watching
             get_logger().warning(f"heartbeat stopped watching: {type(exc).__name__}: {exc}\n"
-                                 f"{traceback.format_exc()}")
+                                 f"{traceback.format_exc()}", extra=EVERY_RANK)
 
     def _watch(self) -> None:
         started = last_tick = time.monotonic()
@@ -259,7 +259,7 @@ class Heartbeat:
         try:
             text, verdict = self._report(str(error), values, moved, now, level)
         except Exception as exc:  # the report is a help, never a reason to keep a survivor waiting
-            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}")
+            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}", extra=EVERY_RANK)
             return error
         path = hangs.write(text)
         where = verdict.get(error.rank, "").split(", ", 1)[-1]  # (less its silence: the error says it)
@@ -277,7 +277,7 @@ class Heartbeat:
             now = time.monotonic()
             text, _ = self._report(headline, values, moved or [now] * self.world_size, now)
         except Exception as exc:
-            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}")
+            get_logger().warning(f"no hang report: {type(exc).__name__}: {exc}", extra=EVERY_RANK)
             return None
         hangs.write(text)
         return text

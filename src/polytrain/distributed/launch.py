@@ -50,7 +50,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.distributed.torchrun import check_torchrun_expendable, join_torchrun, under_torchrun
 from polytrain.distributed.worker import worker_main
 from polytrain.errors import ConfigError, RunStopped
-from polytrain.log import setup_logging
+from polytrain.log import get_logger, setup_logging
 from polytrain.options import option, register_section
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -174,9 +174,11 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     grow (:mod:`polytrain.distributed.elastic`); the expendable ranks' deaths are marked in the store at once, and
     up to ``replacements`` of them are replaced by a new process for the same rank, which the others admit.
 
-    ``fn`` must be importable by name (defined at module level) because workers are spawned. A script
+    ``fn`` should be importable by name (defined at module level): workers are started afresh. A script
     whose functions or classes the workers need (``fn`` itself, a model class) must start the run under
-    ``if __name__ == "__main__":``, as with any spawned process.
+    ``if __name__ == "__main__":``, as with any spawned process. A function no fresh process can import (defined
+    in ``python -c``, a REPL or a notebook) runs in workers forked from this process, on Linux
+    (:func:`~polytrain.distributed.processes.start_context`).
     """
     if host_memory not in HOST_MEMORY_CHOICES:
         raise ConfigError(f"host_memory must be one of {', '.join(HOST_MEMORY_CHOICES)}, got {host_memory!r}")
@@ -246,7 +248,12 @@ def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None
            stop: StopSignal | None = None, replacements: int = 0) -> list[Any]:
     _check_devices(job.world_size, job.device, job.backend)
     server = StoreServer(timedelta(seconds=job.timeout_s), "127.0.0.1", master_port or 0)
-    ctx = start_context()
+    ctx = start_context(job)
+    if ctx.get_start_method() == "fork" and job.threads > 1:  # GNU OpenMP's threads do not survive a fork
+        get_logger().warning(f"launch: workers forked from this process compute on 1 CPU thread each, not "
+                             f"{job.threads}: OpenMP cannot start threads again in a fork of a process that has "
+                             "used them; a function in a file gets its threads")
+        job = replace(job, threads=1)
     processes, conns = [], []
     if stop is not None and stop.requested:
         server.close()

@@ -15,7 +15,7 @@ import threading
 import traceback
 from typing import Callable, Iterable
 
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 
 Listener = Callable[[int, str], None]
 
@@ -80,4 +80,4 @@ def _call(fn: Listener, rank: int, reason: str) -> None:
         fn(rank, reason)
     except Exception as exc:
         get_logger().warning(f"a listener for lost ranks failed on rank {rank}: {type(exc).__name__}: {exc}\n"
-                             f"{traceback.format_exc()}")
+                             f"{traceback.format_exc()}", extra=EVERY_RANK)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -19,22 +21,62 @@ from polytrain.errors import ConfigError
 
 #: how workers start: ``forkserver`` forks them from a server that has imported torch and polytrain once
 #: (a worker is up in a fraction of a second instead of importing torch anew); ``spawn`` is the fallback
-#: for environments where forking is not wanted: set ``POLYTRAIN_START_METHOD=spawn``
-START_METHODS = ("forkserver", "spawn")
+#: for environments where forking is not wanted: set ``POLYTRAIN_START_METHOD=spawn``; ``fork`` forks them from
+#: the launching process itself, which is what a function defined in ``python -c``, a REPL or a notebook needs
+#: (:func:`start_context` picks it there on its own)
+START_METHODS = ("forkserver", "spawn", "fork")
 
 
 _PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.worker",
             "polytrain.train.trainer"]
 
 
-def start_context() -> Any:
-    method = os.environ.get("POLYTRAIN_START_METHOD", "forkserver")
-    if method not in START_METHODS:
-        raise ConfigError(f"POLYTRAIN_START_METHOD={method}: must be one of {', '.join(START_METHODS)}")
+def start_context(job: Any = None) -> Any:
+    """The multiprocessing context that starts the workers of ``job``: ``POLYTRAIN_START_METHOD``'s, else the
+    forkserver; or, where what the workers run cannot be imported by name in a fresh process (a function
+    defined in ``python -c``, a REPL or a notebook), a fork of this process, on Linux before CUDA is in use.
+    Where it can be neither, one ConfigError line says to put the function in a file."""
+    chosen = os.environ.get("POLYTRAIN_START_METHOD")
+    if chosen is not None and chosen not in START_METHODS:
+        raise ConfigError(f"POLYTRAIN_START_METHOD={chosen}: must be one of {', '.join(START_METHODS)}")
+    unimportable = _unimportable(job) if job is not None else None
+    method = chosen or ("fork" if unimportable else "forkserver")
+    why = _cannot_fork() if method == "fork" else f"POLYTRAIN_START_METHOD={chosen} starts fresh processes"
+    if unimportable and (method != "fork" or why):
+        raise ConfigError(f"launch: {unimportable}, so a fresh process cannot import it, and this process cannot "
+                          f"fork the workers instead ({why}); put the function in a file (a module) and import it "
+                          "from there")
+    if method == "fork" and why:
+        raise ConfigError(f"POLYTRAIN_START_METHOD=fork: this process cannot fork its workers ({why}); unset it")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # only read when the forkserver starts (once per launcher process)
     return ctx
+
+
+def _unimportable(job: Any) -> str | None:
+    """What makes ``job``'s function (or what it is sent with) unimportable in a fresh process, in words; None
+    when a fresh process can import all of it by name."""
+    name = getattr(job.fn, "__name__", repr(job.fn))
+    try:
+        sent = pickle.dumps(job)
+    except Exception as exc:  # noqa: BLE001 - a lambda, a local function, an object pickle refuses
+        return f"{name} cannot be sent to a fresh process ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    main = sys.modules.get("__main__")
+    if b"__main__" in sent and main is not None and not getattr(main, "__file__", None):
+        return f"{name} is defined in __main__, which has no file (python -c, a REPL or a notebook)"
+    return None
+
+
+def _cannot_fork() -> str | None:
+    """Why this process cannot fork its workers; None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"forking a process with threads is safe only on Linux, not on {sys.platform}"
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "it has used CUDA, which a forked process cannot use again"
+    return None
 
 
 def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:

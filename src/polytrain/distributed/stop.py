@@ -6,7 +6,11 @@ an **orderly stop**, wherever it lands: the trainer ranks agree on one step, wri
 the run has a checkpoint directory, and end; the command then exits with :data:`EXIT_STOPPED` (75, "stopped,
 resumable": the same command with ``--resume`` continues at that step) or, when nothing could be saved,
 with 128 + the signal's number. A second signal stops at once: the launcher kills its workers, a rank exits
-on the spot.
+on the spot. One stop counts once, however many times it reaches a process: ``timeout`` and Slurm signal the
+command and its process group, so the same signal arrives twice within microseconds; a repeat of the first
+signal within :data:`REPEAT_WINDOW_S` of its handling is that same delivery. Spawned workers run in process
+groups of their own (:mod:`.worker`), so a signal to the command's group reaches only the launching process,
+which passes the request on, and never a worker's compiler subprocess (``--compile``) or checkpoint writer.
 
 How a request travels: the process a signal reaches writes it into the rendezvous store; every rank has a
 thread waiting for that key, which sets its flag. A step only reads the flag.
@@ -30,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -42,6 +47,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SI
 NUDGE = getattr(signal, "SIGUSR2", None)
 #: the exit code of a run stopped by a signal after writing a checkpoint (sysexits' EX_TEMPFAIL: try again)
 EXIT_STOPPED = 75
+#: a repeat of the first stop signal while it is being taken, or this soon (seconds) after, is the same delivery, not a second
+#: signal: ``timeout`` sends its signal to the command and then to the command's process group, Slurm to the
+#: job step's processes and their group, so one stop reaches a process twice within microseconds
+REPEAT_WINDOW_S = 1.0
 _KEY = "request"
 _STARTED = "started"  # "training" once the trainers' rank 0 began, or "stopped" by the launcher before that
 _WATCH_TIMEOUT = timedelta(days=365)  # the watcher waits for the key for as long as the job lives
@@ -146,7 +155,8 @@ class StopSignal:
     # -- signals -------------------------------------------------------------------------------------
 
     def install(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING,
-                nudged: bool = False) -> Callable[[], None]:
+                nudged: bool = False, saves: str = "after a checkpoint there if the run has a checkpoint "
+                                                   "directory") -> Callable[[], None]:
         """From now on the first stop signal calls :meth:`request` and says so (at ``level``), a later one
         ``at_once(signum)`` (default: raise :class:`StopNow`, or leave it to :meth:`check` while
         :meth:`deferring`); with ``nudged`` (a launched worker), the launcher's :data:`NUDGE` marks a request
@@ -155,15 +165,22 @@ class StopSignal:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         count = [0]
+        first: list[Any] = []  # the first signal's number, and when its handling ended (None: under way)
 
         def handle(signum: int, frame: Any) -> None:
+            if first and first[0] == signum and (first[1] is None or time.monotonic() - first[1] < REPEAT_WINDOW_S):
+                return  # the same delivery again (to the command and to its process group): counted once; Python
+                # may run this inside the first one's handling, which is what `None` covers
             count[0] += 1
             if count[0] == 1:
+                first[:] = [signum, None]
                 name = signal_name(signum)
-                self.request(name, signum)  # (already requested by another process: no matter)
-                get_logger().log(level, f"{name}: stopping in order at a step every rank agrees on, after a "
-                                        "checkpoint there if the run has a checkpoint directory; a second signal "
-                                        "stops at once")
+                try:
+                    self.request(name, signum)  # (already requested by another process: no matter)
+                    get_logger().log(level, f"{name}: stopping in order at a step every rank agrees on"
+                                            + (f", {saves}" if saves else "") + "; a second signal stops at once")
+                finally:
+                    first[1] = time.monotonic()
             else:
                 self._second = self._second or signum
             self._wake()
@@ -183,10 +200,12 @@ class StopSignal:
         return restore
 
     @contextlib.contextmanager
-    def handling(self, at_once: Callable[[int], None] | None = None,
-                 level: int = logging.WARNING) -> Iterator["StopSignal"]:
-        """:meth:`install` for the duration of the block."""
-        restore = self.install(at_once, level)
+    def handling(self, at_once: Callable[[int], None] | None = None, level: int = logging.WARNING,
+                 saves: str = "after a checkpoint there if the run has a checkpoint directory",
+                 ) -> Iterator["StopSignal"]:
+        """:meth:`install` for the duration of the block; ``saves``: what the stop step keeps, as its line says
+        ("" for nothing)."""
+        restore = self.install(at_once, level, saves=saves)
         try:
             yield self
         finally:

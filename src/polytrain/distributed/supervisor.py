@@ -13,6 +13,7 @@ cannot do without (its heartbeat's PeerLostError), is part of the job's failure.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import time
@@ -165,7 +166,7 @@ class _Watch:
         self.failures += [Failure(rank, "stopped", "exited without reporting a result", at=time.monotonic())
                           for rank in silent]
         if self.failures:
-            raise _root_cause(self.failures, len(self.processes), self.names)
+            raise _root_cause(self.failures, len(self.processes), self.names, self.expendable)
         return [self.results.get(rank) for rank in range(len(self.processes))]
 
     # -- events ---------------------------------------------------------------------------------------
@@ -253,16 +254,21 @@ def send_report(conn: Connection, status: str, payload: Any) -> None:
 
 def stop_all(processes: list[Any]) -> None:
     """Kill every live worker (SIGKILL: a worker takes SIGTERM as a request to stop in order, which a failed
-    job must not do) and reap them."""
+    job must not do), with the processes it started (a worker leads a process group of its own: its compiler
+    subprocesses are in it), and reap them."""
     for proc in processes:
         if proc.is_alive():
+            with contextlib.suppress(OSError, AttributeError, TypeError):
+                if os.getpgid(proc.pid) == proc.pid:  # (its own group, not the launcher's)
+                    os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(OSError, AttributeError):
                 proc.kill()
     for proc in processes:
         proc.join(_TERM_GRACE_S)
 
 
-def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] | None = None) -> errors.PolytrainError:
+def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] | None = None,
+                expendable: frozenset[int] = frozenset()) -> errors.PolytrainError:
     cause = min(failures, key=lambda f: (f.priority(), f.at))
     if cause.details:
         get_logger().error("rank %d failed:\n%s", cause.rank, cause.details.rstrip())
@@ -278,7 +284,10 @@ def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] |
     tail = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
     verb = "" if cause.kind in ("signal", "exit", "stopped") else "failed: "
     name = _name(names, cause.rank)
-    err = errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped")
+    # a job that may lose some ranks says that this one was not among them (rank 0 under --on-failure continue)
+    spare = (f" ({name} cannot be lost: only rank(s) {', '.join(map(str, sorted(expendable)))} may be)"
+             if expendable and cause.rank not in expendable else "")
+    err = errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped{spare}")
     err.failed_rank, err.cause = cause.rank, f"{name} {verb}{cause.message}"  # for a restart's log (train/restart.py)
     return err
 

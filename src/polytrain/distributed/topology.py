@@ -4,11 +4,12 @@ It is created once per worker by the launcher and passed explicitly to strategie
 polytrain keeps no module-level process-group state. Collectives on it time out (the group's timeout)
 and are no-ops in a single process, so the same training code runs with and without a group.
 
-A strategy arranges the world into named axes (:meth:`Topology.arranged`): ``dp`` (data-parallel replicas,
-each taking a slice of the global batch), ``pp`` (pipeline stages) and ``tp`` (tensor-parallel ranks, in the
-mesh only where a layout names it), on a ``DeviceMesh``. Data slices and
-the groups that metrics are reduced over come from the ``dp`` axis; nothing counts processes for that.
-Without an arrangement every process is its own data-parallel replica (``dp`` = world size, ``pp`` = 1).
+A strategy arranges the world into named axes (:meth:`Topology.arranged`), the degrees of the job's layout
+(:mod:`polytrain.distributed.layout`): ``dp_replicate``, ``dp_shard``, ``pp`` and ``tp``, on one ``DeviceMesh``
+(the axes a layout names; any other has size 1). ``dp`` is the batch axis, dp_replicate x dp_shard (one group
+of both where both are larger than 1: the mesh's flattened ``dp``): data slices and the groups that metrics
+are reduced over come from it; nothing counts processes for that. Without an arrangement every process is its
+own replica (``dp`` = world size).
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.distributed.layout import AXES, BATCH
 from polytrain.distributed.lost import LostRanks
-
-AXES = ("dp", "pp", "tp")
-#: axes in the mesh only where named (the meshes of layouts without them keep their shape)
-_OPTIONAL_AXES = ("tp",)
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class Topology:
     backend: str | None = None
     group: Any = None  # torch.distributed.ProcessGroup; None in a single process without a group
     timeout: timedelta = timedelta(minutes=5)
-    #: sizes of the named axes, in mesh order (empty: dp = world size, pp = 1)
+    #: sizes of the named axes, in mesh order (empty: every process its own replica)
     axes: tuple[tuple[str, int], ...] = ()
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh over ``axes`` once arranged
     #: the ranks this job may go on without, and those lost (--tolerate-worker-loss); one registry per process,
@@ -63,13 +61,15 @@ class Topology:
     # -- named axes --------------------------------------------------------------------------------
 
     def arranged(self, **sizes: int) -> "Topology":
-        """This topology with the world laid out as a mesh of the named axes (``dp=2, pp=2``); a collective
-        in a process group (every rank builds the same mesh). Axes not named have size 1."""
+        """This topology with the world laid out as a mesh of the named axes (``dp_replicate=2, pp=2``; ``dp``
+        stands for ``dp_replicate``); a collective in a process group (every rank builds the same mesh). Axes
+        not named have size 1."""
+        if BATCH in sizes:
+            sizes["dp_replicate"] = sizes.pop(BATCH)
         unknown = set(sizes) - set(AXES)
         if unknown:
             raise ValueError(f"unknown axes {sorted(unknown)}; known: {', '.join(AXES)}")
-        shape = tuple((name, int(sizes.get(name, 1))) for name in AXES
-                      if name not in _OPTIONAL_AXES or name in sizes)
+        shape = tuple((name, int(sizes[name])) for name in AXES if name in sizes)
         product = 1
         for _, size in shape:
             product *= size
@@ -81,27 +81,49 @@ class Topology:
             # a 1-D axis spanning the world reuses the world group: DDP and the metrics keep their group
             mesh = init_device_mesh(self.device.type, tuple(size for _, size in shape),
                                     mesh_dim_names=tuple(name for name, _ in shape))
+            if sizes.get("dp_replicate", 1) > 1 and sizes.get("dp_shard", 1) > 1:
+                mesh["dp_replicate", "dp_shard"]._flatten(BATCH)  # the batch axis: one group of both
         return replace(self, axes=shape, mesh=mesh)
 
     def axis_size(self, axis: str) -> int:
         self._known(axis)
         if not self.axes:
-            return self.world_size if axis == "dp" else 1
+            return self.world_size if axis in ("dp_replicate", BATCH) else 1
+        if axis == BATCH:
+            return self.axis_size("dp_replicate") * self.axis_size("dp_shard")
         return dict(self.axes).get(axis, 1)
 
     def axis_rank(self, axis: str) -> int:
         """This process's coordinate along ``axis``."""
         self._known(axis)
+        if axis == BATCH and self.axes:
+            return self.axis_rank("dp_replicate") * self.axis_size("dp_shard") + self.axis_rank("dp_shard")
         if self.mesh is None or axis not in self.mesh.mesh_dim_names:
-            return self.rank if axis == "dp" and not self.axes else 0
+            return self.rank if axis in ("dp_replicate", BATCH) and not self.axes else 0
         return self.mesh.get_local_rank(axis)
 
     def axis_group(self, axis: str) -> Any:
-        """The process group of the ranks that differ from this one only along ``axis`` (None: alone)."""
+        """The process group of the ranks that differ from this one only along ``axis`` (None: alone); for
+        ``dp``, along dp_replicate and dp_shard."""
         self._known(axis)
+        if axis == BATCH and self.axes:
+            replicate, shard = self.axis_size("dp_replicate"), self.axis_size("dp_shard")
+            if replicate > 1 and shard > 1:
+                return self.mesh.get_group(BATCH) if self.mesh is not None else None
+            axis = "dp_shard" if shard > 1 else "dp_replicate"
         if self.mesh is None or axis not in self.mesh.mesh_dim_names:
-            return self.group if axis == "dp" and not self.axes else None
+            return self.group if axis in ("dp_replicate", BATCH) and not self.axes else None
         return self.mesh.get_group(axis)
+
+    def submesh(self, *axes: str) -> Any:
+        """The mesh along ``axes`` (those of size 1 left out; one axis where only one is larger), e.g. FSDP's
+        ``("dp_replicate", "dp_shard")``: 2-D (HSDP) where both are larger than 1. None: no mesh, or every
+        axis of size 1."""
+        names = [a for a in axes if self.axis_size(a) > 1 and self.mesh is not None
+                 and a in self.mesh.mesh_dim_names]
+        if not names:
+            return None
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[tuple(names)]
 
     def along(self, axis: str) -> "Topology":
         """A view of the ranks along ``axis`` as a topology of their own (rank = coordinate), for
@@ -112,8 +134,8 @@ class Topology:
 
     @staticmethod
     def _known(axis: str) -> None:
-        if axis not in AXES:
-            raise ValueError(f"unknown axis '{axis}'; known: {', '.join(AXES)}")
+        if axis not in AXES + (BATCH,):
+            raise ValueError(f"unknown axis '{axis}'; known: {', '.join(AXES + (BATCH,))}")
 
     # -- collectives used by the trainer; tensors must be on self.device for NCCL --------------------
 

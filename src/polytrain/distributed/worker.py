@@ -83,8 +83,19 @@ def _set_stop_signals(orderly: bool) -> StopSignal:
     return stop
 
 
+def _own_process_group() -> None:
+    """This worker leads a process group of its own (POSIX ``setpgid``): a signal to the command's group
+    (``timeout``, Ctrl-C, a scheduler) reaches the launching process only, which passes a stop on through the
+    store, instead of every worker a second time and, worse, a worker's children (``--compile``'s C++ compiler
+    and its compile workers, killed mid-build otherwise). The launcher ends the whole group when it stops the
+    worker (:func:`~polytrain.distributed.supervisor.stop_all`)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpgid(0, 0)
+
+
 def worker_main(job: Job, rank: int, conn: Any) -> None:
     _die_with_parent(rank)
+    _own_process_group()
     if job.environ:
         os.environ.clear()
         os.environ.update(dict(job.environ))

@@ -119,7 +119,9 @@ class TransformerLM(nn.Module):
                 nn.init.normal_(proj.weight, std=_INIT_STD / math.sqrt(2 * len(self.blocks)))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens, position_ids)
+        # the embed's call takes one argument unless the batch is packed: a pipeline's split check sees each
+        # unit applied to the output of the one before (parallel/pp/split.py)
+        x = self.embed(tokens) if position_ids is None else self.embed(tokens, position_ids)
         mask = None if position_ids is None else document_mask(position_ids)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)

@@ -11,15 +11,17 @@ sees a whole tensor.
 
 Equal to ``single`` on the whole batch: the slices' losses are weighed as ``sync``'s, the reduce-scatter
 averages; ``--accumulate K`` defers the reduce-scatter to the last micro-batch; ``--clip-grad-norm`` clips
-the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints and
-``--save-model`` hold the whole model and optimizer state as ``single`` saves them, so a run resumes into any
-strategy and any world size (the gather happens on the workers, one tensor at a time, into rank 0's memory).
+the norm of the whole gradient (the shards' squared norms summed over the workers). Checkpoints are written in
+parts, each rank its rows (``sharded_state``), and read back by rows (``held_state``): a run resumes into any
+strategy and any world size, and a resumed fsdp rank reads only the rows it holds. ``--save-model DIR`` is
+written one tensor at a time (:mod:`polytrain.weights.save`); ``state_dict`` (``--save-model FILE.pt``) gathers
+the whole model into rank 0's memory, one tensor at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -28,12 +30,16 @@ from torch import nn
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
-from polytrain.precision import Amp
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
+from polytrain.parallel.dtensor import clip, load_whole, whole_state
+from polytrain.parallel.tp.plan import plan_for
+from polytrain.parallel.tp.strategy import check_tp
+from polytrain.precision import Amp, refuse_loss_scaling
+from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
 from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
-from polytrain.models.parts import units
+from polytrain.models.parts import retie, unit_groups, units
+from polytrain.train.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -53,17 +59,30 @@ class FullyShardedDataParallel(Strategy):
     own_precision = ("bf16-mixed",)  # FSDP2's MixedPrecisionPolicy (see _policy)
     lost_worker = ("keeps each parameter and optimizer shard on one worker only, so a dead worker's shards are "
                    "gone")
+    exchange = "sync"
+    meeting = "gradients averaged every step"
+    fills = "dp_shard"
+    cuts = ("dp_shard", "tp")  # --tp: each unit's plan layers split over tp first, then sharded (FSDP x TP, 2-D)
+    also_reads = ("tp",)  # --tp-plan
+    _max_norm: float | None = None
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS)
+        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
         if layout.processes < 2:
             raise ConfigError("--strategy fsdp with 1 worker shards nothing (one worker holds the whole model "
                               "anyway); give --workers 2 or more, or use --strategy single")
+        tp = layout.axis("tp")
+        if layout.axis("dp_shard") < 2:
+            raise ConfigError(f"--strategy fsdp with --dp-shard 1 shards nothing; give --workers {2 * tp} (--dp-shard "
+                              f"2 x --tp {tp}), or use --strategy tp")
         check_batch(layout.slices, config.global_batch(layout.slices), config.train.accumulate)
+        if tp > 1:
+            refuse_loss_scaling(config, "fsdp --tp", "the scaler does not take the split layers' DTensor gradients")
+            check_tp(config, model, tp)
 
     # -- the model, sharded ----------------------------------------------------------------------------
 
@@ -71,33 +90,39 @@ class FullyShardedDataParallel(Strategy):
         return model  # unit by unit in _wrap, each sharded before the next is made
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
         if not self.topology.distributed:
+            self.held_state = HeldState(self)
             return materialize_all(model).to(self.topology.device)
-        mesh, device = self.topology.mesh["dp"], self.topology.device
-        reshard = bool(self.options.reshard_after_forward)
+        # over dp_shard; HSDP over dp_replicate x dp_shard (each replica's shards, the replicas all-reduced)
+        mesh = self.topology.submesh("dp_replicate", "dp_shard")
+        tp = self.topology.submesh("tp")  # torchtitan's order: the tp plan's layers split, then fully_shard
+        plan = plan_for(model, self.options.tp_plan) if tp is not None else None
         policy = self._policy()
-
-        def shard(name: str, unit: nn.Module) -> None:
-            if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
-
-        if is_deferred(model) and weights_of(model) is not None:  # sharded on meta: each rank reads its rows
-            materialize(model, device, before=shard)
-        elif is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
-            materialize(model, device, then=shard)
-        else:
-            if self.topology.is_main:
-                get_logger().warning(describe_whole_build(model, type(model).__name__))
-            model = model.to(device)
-            for name, unit in units(model):
-                shard(name, unit)
         root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **root)  # what no unit holds (the root's own)
+        model = shard_model(model, self.topology, mesh, bool(self.options.reshard_after_forward), policy, root,
+                            split=(lambda name, unit: plan.apply(unit, tp, name)) if plan is not None else None)
         self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
-        self.sharded_state = _Shards(self)  # checkpoints in parts: each rank writes its shards
+        if mesh.ndim == 1 and tp is None:  # checkpoints in parts: each rank writes its shards (rows over one axis)
+            self.sharded_state = _Shards(self)
+            self.held_state = HeldState(self)  # ... and reads only its rows of any checkpoint
         return model
+
+    def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:
+        model = super().prepare(model, make_optimizer, recipe, place)
+        if self.topology.axis_size("tp") > 1:  # --clip-grad-norm over parameters on two meshes: clipped here
+            self._max_norm, self.recipe = self.recipe.clip_grad_norm, replace(self.recipe, clip_grad_norm=None)
+        return model
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._max_norm is not None:
+            assert self.model is not None
+            clip(self.model.parameters(), self._max_norm, self.topology.device)
+        super()._optimizer_step(optimizer)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        score = super().eval_step(inputs, targets)  # every tp rank computes it (the split layers exchange)
+        return score if self.topology.axis_rank("tp") == 0 else None  # counted once per slice
 
     def _policy(self, root: bool = False) -> dict[str, Any]:
         """``--precision bf16-mixed`` as FSDP2 carries it out: each unit's parameters gathered in bfloat16 (half
@@ -123,8 +148,7 @@ class FullyShardedDataParallel(Strategy):
 
     def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """``--accumulate``: gradients reduce-scattered only in the last micro-batch's backward."""
-        return _gradient_sync(model, enabled) if hasattr(model, "set_requires_gradient_sync") else \
-            contextlib.nullcontext()
+        return gradient_sync(model, enabled)
 
     def train_step(self, batch: Any, lr: float) -> Any:
         result = super().train_step(batch, lr)
@@ -135,22 +159,27 @@ class FullyShardedDataParallel(Strategy):
         """Each step: every unit all-gathered for forward, again for backward when resharded after forward (in
         bfloat16 under the bf16-mixed policy), and its gradients reduce-scattered once (in the parameters' own
         dtype). Ring model: each rank moves (N-1)/N of the whole, per op."""
-        n = self.topology.world_size
-        if n < 2:
-            return
-        share = (n - 1) / n * self._param_bytes * n
-        gathered = share / 2 if self._own_precision() else share  # float32 shards gathered as bfloat16
-        gathers = 2 if self.options.reshard_after_forward else 1
-        moved = gathers * gathered + share
-        self.traffic.add(moved, moved)
+        n, replicas = self.topology.axis_size("dp_shard"), self.topology.axis_size("dp_replicate")
+        moved = 0.0
+        if n > 1:
+            share = (n - 1) / n * self._param_bytes * n
+            gathered = share / 2 if self._own_precision() else share  # float32 shards gathered as bfloat16
+            gathers = 2 if self.options.reshard_after_forward else 1
+            moved += gathers * gathered + share
+        if replicas > 1:  # HSDP: each shard's gradients all-reduced over the replicas (a ring: 2 (R-1)/R of them)
+            moved += 2 * (replicas - 1) / replicas * self._param_bytes
+        if moved:
+            self.traffic.add(moved, moved)
 
     def describe(self) -> str:
         zero = "resharded after forward (ZeRO-3)" if self.options.reshard_after_forward else \
             "kept gathered until backward (ZeRO-2-like)"
         mixed = "; bf16-mixed by FSDP's MixedPrecisionPolicy (gathered in bfloat16, reduced in float32)" \
             if self._own_precision() else ""
-        return f"{super().describe()}; parameters, gradients and optimizer state in {self.topology.world_size} " \
-               f"shards, each unit's parameters {zero}{mixed}"
+        replicas = self.topology.axis_size("dp_replicate")
+        hsdp = f" in each of {replicas} replicas (HSDP: the replicas' gradients all-reduced)" if replicas > 1 else ""
+        return f"{super().describe()}; parameters, gradients and optimizer state in " \
+               f"{self.topology.axis_size('dp_shard')} shards{hsdp}, each unit's parameters {zero}{mixed}"
 
     # -- the whole model's state, as single saves it --------------------------------------------------
 
@@ -159,11 +188,15 @@ class FullyShardedDataParallel(Strategy):
                                                              get_optimizer_state_dict)
 
         assert self.model is not None and self.optimizer is not None
+        if self.topology.axis_size("tp") > 1:  # 2-D: each tensor gathered over both axes (dtensor.full)
+            model, held = whole_state(self.model, self.optimizer, optimizer)
+            return {"model": model, **({"optimizer": held} if optimizer else {})} if self.trainers.is_main else None
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = get_model_state_dict(self.model, options=full)  # collective: every rank takes part (cpu_offload:
         by_name = get_optimizer_state_dict(self.model, self.optimizer, options=full) if optimizer else None  # rank 0's)
         if not self.trainers.is_main:
             return None
+        model = retie(model, self.model)  # a tied tensor one tensor, as single saves it
         if optimizer:  # the hyper-parameters as torch.optim keeps them (tuples stay tuples), the state by index
             groups = self.optimizer.state_dict()["param_groups"]
             by_name = {"state": _indexed(by_name["state"], self._names()), "param_groups": groups}
@@ -174,6 +207,8 @@ class FullyShardedDataParallel(Strategy):
                                                              set_optimizer_state_dict)
 
         assert self.model is not None and self.optimizer is not None
+        if self.topology.axis_size("tp") > 1:
+            return load_whole(self.model, self.optimizer, state)
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, state["model"], options=full)
         set_optimizer_state_dict(self.model, self.optimizer, _named(state["optimizer"], self._names()), options=full)
@@ -181,9 +216,52 @@ class FullyShardedDataParallel(Strategy):
             live.update({key: value for key, value in given.items() if key != "params"})  # (tuples stay tuples)
 
     def _names(self) -> list[str]:
-        """The parameters' names in the order ``single``'s optimizer numbers them."""
+        """The parameters' names in the order ``single``'s optimizer numbers them (those that train)."""
         assert self.model is not None
-        return [name for name, _ in self.model.named_parameters()]
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+
+def shard_group(modules: list[nn.Module], mesh: Any, **options: Any) -> None:
+    """``fully_shard`` the ``modules`` as one shard group (one all-gather, one reduce-scatter; a tensor they
+    share stays one tensor), if they hold a parameter that trains. A container without a forward of its own
+    (an ``nn.ModuleDict``) is left to the group of the module above it."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = [m for m in modules if type(m).forward is not nn.Module.forward]
+    if any(p.requires_grad for m in modules for p in m.parameters()):
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **options)
+
+
+def shard_model(model: nn.Module, topology: Any, mesh: Any, reshard: bool = True, policy: dict[str, Any] | None = None,
+                root: dict[str, Any] | None = None, split: Any = None) -> nn.Module:
+    """``model`` on this rank's device, each unit (its top-level children, a ``ModuleList`` flattened) and then
+    the model ``fully_shard``-ed over ``mesh`` (HSDP where it is 2-D), ``split(name, unit)`` first (the tp plan's
+    layers: torchtitan's order). A model on the meta device is made unit by unit, each sharded before the next
+    is made, so a rank never holds more than one whole unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    device = topology.device
+
+    def shard(name: str, unit: nn.Module) -> None:
+        if split is not None:
+            split(name, unit)
+        shard_group([unit], mesh, reshard_after_forward=reshard, **(policy or {}))
+
+    if is_deferred(model) and weights_of(model) is not None:  # sharded on meta: each rank reads its rows
+        materialize(model, device, before=shard)
+    elif is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
+        materialize(model, device, then=shard)
+    else:
+        if topology.is_main:
+            get_logger().warning(describe_whole_build(model, type(model).__name__))
+        model = model.to(device)
+        for group in unit_groups(units(model)):  # units sharing a tensor (tied weights): one shard group
+            for name, unit in group:
+                if split is not None:
+                    split(name, unit)
+            shard_group([unit for _, unit in group], mesh, reshard_after_forward=reshard, **(policy or {}))
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **(root or {}))  # what no unit holds (the root's own)
+    return model
 
 
 class _Shards:
@@ -210,6 +288,12 @@ class _Shards:
         return {"model": signature(s.model.state_dict()), "param_groups": s.optimizer.state_dict()["param_groups"]}
 
 
+def gradient_sync(model: Any, enabled: bool) -> ContextManager[Any]:
+    """``--accumulate`` over a sharded model: its gradients reduce-scattered only where ``enabled`` (the last
+    micro-batch's backward); nothing for a model FSDP does not hold."""
+    return _gradient_sync(model, enabled) if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
     model.set_requires_gradient_sync(enabled)
@@ -221,6 +305,7 @@ def _gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
 
 
 def _indexed(by_name: dict[str, Any], names: list[str]) -> dict[int, Any]:

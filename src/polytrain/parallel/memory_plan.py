@@ -45,8 +45,8 @@ from polytrain.devices.discovery import format_bytes
 from polytrain.distributed.layout import Layout
 from polytrain.train.memory import SavedTensors
 
-#: the strategies whose trainers each hold the whole model, gradients and optimizer state
-_WHOLE = ("single", "sync", "local-sgd", "diloco")
+#: the strategies whose estimate is their own (any other is estimated as a data-parallel one)
+_KNOWN = ("single", "sync", "local-sgd", "diloco", "fsdp", "tp", "pipeline", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def _saved(model: nn.Module, stages: list[list[str]] | None, inputs: _Inputs, ba
     with mode, cast:
         x, y = inputs.make(batch, device)
         for index, stage in enumerate(stages or [[""]]):  # "": the whole model
-            counter = SavedTensors()
+            counter = SavedTensors(shapes=True)  # (its forward runs on fake or meta tensors)
             if index:
                 x = x.detach().clone().requires_grad_(x.is_floating_point())
             with counter.hooks():
@@ -332,7 +332,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     from polytrain.errors import PolytrainError
     from polytrain.models.registry import build_model
     from polytrain.precision import cast_model, precision_of
-    from polytrain.strategies import get_strategy
+    from polytrain.strategies.base import strategy_class
     from polytrain.tasks import get_task
     from polytrain.train.optim import build_optimizer
     from polytrain.train.unit_options import chosen_units
@@ -354,7 +354,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
                                       f"{exc}); the run itself is not affected")
     try:
         precision = precision_of(config)
-        model = cast_model(model, precision, get_strategy(config.train.strategy).own_precision)
+        model = cast_model(model, precision, strategy_class(config, layout).own_precision)
         forward = _Forward(precision.autocast_dtype,
                            tuple(n for n, _ in chosen_units(model, config.units.activation_checkpointing)))
         notes = []
@@ -432,7 +432,6 @@ class _Context:
         return found
 
     def ranks(self) -> tuple[list[RankMemory], int, str, list[str]]:
-        strategy = self.layout.strategy
         rule = (f"activations: saved for backward by 1 micro-batch of {self.micro_batch()} example(s)"
                 + (" per micro-batch in flight" if self.layout.axis("pp") > 1 else ""))
         if self.forward.autocast is not None:
@@ -441,54 +440,111 @@ class _Context:
             self.notes.append(f"--activation-checkpointing: {len(self.forward.checkpointed)} unit(s) save nothing "
                               "for backward; not counted: the inputs each keeps and one unit's recomputation "
                               "in backward")
-        if self.layout.axis("pp") > 1:
-            ranks = self._pipeline()
-        elif self.layout.axis("tp") > 1:
-            ranks = self._tensor_parallel()
-        elif strategy == "fsdp":
-            ranks = self._fsdp()
-        elif strategy == "async":
-            ranks = self._async()
-        else:
-            ranks = self._whole(strategy)
+        servers = any(self.layout.role(rank) == "server" for rank in range(self.layout.processes))
+        ranks = self._async() if servers else self._mesh()
         return ranks, self.micro_batch(), rule, self.notes
 
-    def _whole(self, strategy: str) -> list[RankMemory]:
-        found = self.activations()
-        act = found[0] if found else None
+    # -- axis by axis ---------------------------------------------------------------------------------
+
+    def _mesh(self) -> list[RankMemory]:
+        """Every trainer's share, axis by axis of its coordinates: its stages (pp), its part of the layers the
+        tp plan splits (tp), its shard of each (dp_shard, as FSDP2 cuts them), and what the strategy keeps
+        besides (diloco's anchor and outer momentum)."""
+        layout = self.layout
+        pp, tp, shard = layout.axis("pp"), layout.axis("tp"), layout.axis("dp_shard")
+        stages = self._stages() if pp > 1 else None
+        found = self.activations() if stages is None else None
+        shapes = {}
+        if tp > 1:
+            from polytrain.parallel.tp.plan import plan_for
+
+            shapes = plan_for(self.model, self.config.tp.tp_plan).local_shapes(self.model, tp)
+            self.notes.append(f"tp: the split layers' weights, gradients and optimizer state 1/{tp} on each rank; "
+                              "activations counted as the whole model's")
+        units = self._gathered_units(shapes) if shard > 1 else []
         out = []
-        for rank in range(self.layout.processes):
-            if self.layout.role(rank) != "trainer":
-                out.append(RankMemory(rank, self.layout.role(rank), "not estimated (a rank of its own loop)", 0, 0,
-                                      0, None))
+        for rank in range(layout.processes):
+            if layout.role(rank) != "trainer":
+                out.append(RankMemory(rank, layout.role(rank), "not estimated (a rank of its own loop)", 0, 0, 0,
+                                      None))
                 continue
-            r = self.rank(rank, "the whole model", self.tensors, act)
-            if strategy == "diloco":  # the anchor (every parameter), the outer momentum (the trained ones)
-                outer = self.config.periodic.outer_momentum
-                momentum = self.grads(self.tensors) if (0.9 if outer is None else outer) > 0 else 0
-                params = [t for t in self.tensors if t.name in self._param_names]
-                r = replace(r, optimizer=r.optimizer + self.params(params) + momentum)
-            out.append(r)
+            at = layout.coordinates(rank)
+            tensors, held, holds = stages[at["pp"]] if stages is not None else \
+                (self.tensors, found[0] if found else None, "the whole model")
+            if shapes:
+                tensors = [replace(t, shape=shapes.get(t.name, t.shape)) for t in tensors]
+                holds += f", 1/{tp} of its split layers"
+            if layout.axis("dp_replicate") > 1 and stages is not None:
+                holds += f", replica {at['dp_replicate']}"
+            if shard > 1:
+                params, grads, state = self.sharded(tensors, shard, at["dp_shard"])
+                extra, what = self._gathered(tensors, units, stages is not None)
+                row = RankMemory(rank, layout.role(rank), f"1/{shard} of {holds}", params, grads, state, held, extra,
+                                 what, self.data)
+            else:
+                row = self.rank(rank, holds, tensors, held)
+            out.append(self._strategy_copies(row, tensors, shard, at.get("dp_shard", 0)))
+        self._strategy_notes()
+        return out
+
+    def _strategy_copies(self, row: RankMemory, tensors: list[_Tensor], shard: int, index: int) -> RankMemory:
+        """``row`` with the copies of the parameters the strategy keeps: diloco's anchor (every parameter) and
+        outer momentum (the trained ones), of this rank's shard."""
+        if self.layout.strategy != "diloco":
+            return row
+        params = [t for t in tensors if t.name in self._param_names]
+        outer = self.config.periodic.outer_momentum
+        if shard > 1:
+            anchor, momentum, _ = self.sharded(params, shard, index)
+        else:
+            anchor, momentum = self.params(params), self.grads(params)
+        return replace(row, optimizer=row.optimizer + anchor + (momentum if (0.9 if outer is None else outer) > 0
+                                                                 else 0))
+
+    def _strategy_notes(self) -> None:
+        strategy = self.layout.strategy
         if strategy == "diloco":
             self.notes.append("diloco's optimizer column includes its anchor (a copy of the parameters) and the "
                               "outer momentum")
-        elif strategy not in _WHOLE:
+        elif strategy not in _KNOWN:
             self.notes.append(f"--strategy {strategy} is estimated as a data-parallel one: each trainer holds the "
                               "whole model")
-        return out
 
-    def _tensor_parallel(self) -> list[RankMemory]:
-        """``tp``: each rank its part of the layers the plan splits (their rows or columns), the rest whole."""
-        from polytrain.parallel.tp.plan import plan_for
+    def _gathered_units(self, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+        """Each unit's parameter bytes (its tp part where tp splits it): what FSDP gathers whole for it."""
+        from polytrain.parallel.pp.split import units
 
-        tp = self.layout.axis("tp")
-        shapes = plan_for(self.model, self.config.tp.tp_plan).local_shapes(self.model, tp)
-        tensors = [replace(t, shape=shapes.get(t.name, t.shape)) for t in self.tensors]
-        found = self.activations()
-        self.notes.append(f"tp: the split layers' weights, gradients and optimizer state 1/{tp} on each rank; "
-                          "activations counted as the whole model's")
-        return [self.rank(rank, f"1/{tp} of the split layers", tensors, found[0] if found else None)
-                for rank in range(self.layout.processes)]
+        out = []
+        for name, unit in units(self.model):
+            tensors = [replace(t, shape=shapes.get(t.name, t.shape)) for t in _tensors(unit, f"{name}.")]
+            out.append(self.params(tensors))
+        return out or [self.params(self.tensors)]
+
+    def _gathered(self, tensors: list[_Tensor], units: list[int], staged: bool) -> tuple[int, str]:
+        """What a sharded rank holds gathered besides its shards, and what that is."""
+        if staged:  # a pipeline's stages stay gathered from a step's first forward to its last backward
+            return self.params(tensors), "--dp-shard in a pipeline: the stages' whole parameters, gathered for " \
+                                         "the step"
+        reshard = getattr(getattr(self.config, "fsdp", None), "reshard_after_forward", True)
+        if reshard:
+            return max(units), "fsdp: the largest unit's whole parameters, gathered for its forward and backward"
+        return sum(units), ("fsdp --no-reshard-after-forward: every unit's whole parameters, gathered from forward "
+                            "to backward")
+
+    def sharded(self, tensors: list[_Tensor], n: int, index: int) -> tuple[int, int, int]:
+        """(parameter, gradient, optimizer) bytes of shard ``index`` of ``n`` of ``tensors``, as FSDP2 cuts them:
+        dim-0 chunks padded to equal size, the optimizer's state over the unpadded rows."""
+        params = grads = state = 0
+        for t in tensors:
+            rows = t.shape[0] if t.shape else 1
+            row = t.numel // max(rows, 1) * t.element_size if t.shape else t.element_size
+            chunk = -(-rows // n)
+            mine = max(0, min(chunk, rows - index * chunk))
+            params += chunk * row
+            if t.trained:
+                grads += chunk * row
+                state += self.optimizers[t.element_size].bytes(mine * row // t.element_size)
+        return params, grads, state
 
     def _async(self) -> list[RankMemory]:
         from polytrain.strategies.ps.partition import PartitionPlan
@@ -516,50 +572,24 @@ class _Context:
                           "share); a worker's optimizer is never stepped")
         return out
 
-    def _fsdp(self) -> list[RankMemory]:
-        from polytrain.parallel.pp.split import units
+    # -- pp: each pipeline coordinate's stages ----------------------------------------------------------
 
-        n = self.layout.processes
-        found = self.activations()
-        act = found[0] if found else None
-        reshard = getattr(getattr(self.config, "fsdp", None), "reshard_after_forward", True)
-        unit_bytes = [self.params(_tensors(unit)) for _, unit in units(self.model)] or [self.params(self.tensors)]
-        extra = max(unit_bytes) if reshard else sum(unit_bytes)
-        what = ("fsdp: the largest unit's whole parameters, gathered for its forward and backward" if reshard else
-                "fsdp --no-reshard-after-forward: every unit's whole parameters, gathered from forward to backward")
-        return [RankMemory(rank, "trainer", f"1/{n} of the model", *self.sharded(self.tensors, n, rank), act, extra,
-                           what, self.data) for rank in range(n)]
-
-    def sharded(self, tensors: list[_Tensor], n: int, index: int) -> tuple[int, int, int]:
-        """(parameter, gradient, optimizer) bytes of shard ``index`` of ``n`` of ``tensors``, as FSDP2 cuts them:
-        dim-0 chunks padded to equal size, the optimizer's state over the unpadded rows."""
-        params = grads = state = 0
-        for t in tensors:
-            rows = t.shape[0] if t.shape else 1
-            row = t.numel // max(rows, 1) * t.element_size if t.shape else t.element_size
-            chunk = -(-rows // n)
-            mine = max(0, min(chunk, rows - index * chunk))
-            params += chunk * row
-            if t.trained:
-                grads += chunk * row
-                state += self.optimizers[t.element_size].bytes(mine * row // t.element_size)
-        return params, grads, state
-
-    def _pipeline(self) -> list[RankMemory]:
+    def _stages(self) -> list[tuple[list[_Tensor], int | None, str]]:
+        """For each coordinate on the pp axis: the tensors of its stages, the activation bytes it holds at most
+        (None: not estimated) and what it holds, in words."""
         from polytrain.parallel.pp import plan, split
-
         from polytrain.parallel.pp.traced_run import chain_kind, must_trace
 
         opts = self.config.pipeline
         info = plan.schedule_info(opts.schedule)
-        pp, dp = self.layout.axis("pp"), self.layout.axis("dp")
+        pp = self.layout.axis("pp")
         if not chain_kind(self.model) or must_trace(self.model, split.parse_split(opts.split_at),
                                                     self.config.train.loss):
-            return self._traced_pipeline()  # cut by the tracer (parallel/pp/traced.py)
+            return self._traced_stages()  # cut by the tracer (parallel/pp/traced.py)
         stages = pp * info.chunks
         parts = split.units(self.model)
         names = [name for name, _ in parts]
-        split.check_splittable(names, stages, f"--stages/--schedule ({stages} stages in all)")
+        split.check_splittable(names, stages, f"--pp/--schedule ({stages} stages in all)")
         per_unit = [_tensors(unit, f"{name}.") for name, unit in parts]
         starts = split.parse_split(opts.split_at)
         if starts is not None:
@@ -574,27 +604,15 @@ class _Context:
         held = in_flight(opts.schedule, pp, opts.microbatches, per_stage) if per_stage else [None] * pp
         self.notes.append(self._pipeline_build_note(per_unit))
         out = []
-        for rank in range(self.layout.processes):
-            me = rank % pp  # the mesh's last axis (pp) varies fastest
+        for me in range(pp):
             mine = plan.rank_stages(me, pp, info.chunks, info.placement)
             tensors = [t for s in mine for i in groups[s] for t in per_unit[i]]
-            spans = ", ".join(f"stage {s} ({_span(stage_units[s])})" for s in mine)
-            holds = spans + (f", replica {rank // pp}" if dp > 1 else "")
-            if getattr(opts, "shard_dp", False) and dp > 1:  # hybrid --shard-dp: 1/dp of the stages, gathered whole
-                whole = self.params(tensors)  # from a step's first forward to its last backward
-                out.append(RankMemory(rank, self.layout.role(rank), f"1/{dp} of {holds}",
-                                      *self.sharded(tensors, dp, rank // pp), held[me], whole,
-                                      "hybrid --shard-dp: the stages' whole parameters, gathered for the step",
-                                      self.data))
-                continue
-            out.append(self.rank(rank, holds, tensors, held[me]))
+            out.append((tensors, held[me], ", ".join(f"stage {s} ({_span(stage_units[s])})" for s in mine)))
         return out
 
-
-    def _traced_pipeline(self) -> list[RankMemory]:
-        """A model the tracer cuts: each rank its stages' tensors (a tensor tied across stages on each rank
+    def _traced_stages(self) -> list[tuple[list[_Tensor], int | None, str]]:
+        """A model the tracer cuts: each coordinate its stages' tensors (a tensor tied across stages on each rank
         using it), activations not estimated."""
-        from polytrain.parallel.pp import plan
         from polytrain.parallel.pp.traced_run import plan_split
 
         chosen = plan_split(self.config, self.layout)
@@ -602,15 +620,13 @@ class _Context:
         for name, param in self.model.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
         aliases = {group[0]: group for group in names.values()}
-        pp = self.layout.axis("pp")
         self.notes.append("pipeline (traced): each rank makes only its stages' tensors, with single's values "
                           "(a map of the model's build on the meta device first); activations not estimated")
         out = []
-        for rank in range(self.layout.processes):
-            me = rank % pp
+        for me in range(self.layout.axis("pp")):
             prefixes = tuple(f"{n}." for n in chosen.stage_names[me])
             tensors = [t for t in self.tensors if any(a.startswith(prefixes) for a in aliases.get(t.name, [t.name]))]
-            out.append(self.rank(rank, f"stage {me} ({_span(list(chosen.stage_names[me]))})", tensors, None))
+            out.append((tensors, None, f"stage {me} ({_span(list(chosen.stage_names[me]))})"))
         return out
 
     def _pipeline_build_note(self, per_unit: list[list[Any]]) -> str:

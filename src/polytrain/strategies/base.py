@@ -22,6 +22,12 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
   (``sync --balance``): ``rebalancing.slices(...)`` gives the slice of each step;
 * :attr:`sharded_state`: this rank holds a shard of the model and its optimizer state (``fsdp``): each rank
   writes its own part of a checkpoint, nothing gathered (``sharded_state.part()``).
+* :attr:`held_state`: what this rank holds of the model and optimizer (a whole replica, or ``DTensor`` shards)
+  is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
+  order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
+  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`; ``held_state.by_rows`` False: rank 0 reads
+  and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
+  one tensor at a time (:mod:`polytrain.weights.save`).
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
 overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).
@@ -44,6 +50,7 @@ from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
 from polytrain.models.deferred import materialize_all
 from polytrain.options import section_defaults
+from polytrain.parallel.degrees import Degrees, fill_of, given_degrees, resolve
 from polytrain.phases import phase
 from polytrain.precision import Amp
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
@@ -79,6 +86,16 @@ class ShardedState(Protocol):
         """The model's signature (whole shapes) and the optimizer's ``param_groups``, as single's would be."""
 
 
+class HeldState(Protocol):
+    """What this rank holds is the run's state itself: a checkpoint is read into it, each rank its rows."""
+
+    by_rows: bool  # whether --resume reads on every rank (each its rows) rather than on rank 0 for all
+
+    def load(self, checkpoint: Any) -> None:
+        """Fill the model and optimizer from a :class:`~polytrain.train.lazy.LazyCheckpoint`, reading only what
+        this rank holds."""
+
+
 class Rebalancing(Protocol):
     """Slices of each global batch sized by the workers' measured speed."""
 
@@ -101,6 +118,16 @@ class Strategy:
     #: why the survivors of a lost worker cannot go on without it under ``--on-failure continue``; None where
     #: they can (each rank a whole replica of the model and optimizer, the exchange rebuilt over fewer ranks)
     lost_worker: ClassVar[str | None] = "does not keep a whole replica of the model and optimizer on every rank"
+    #: how the replicas meet (``sync``: every step; the strategies of one exchange run each other's degrees)
+    exchange: ClassVar[str] = ""
+    #: what the replicas exchange, in words (``polytrain plan``)
+    meeting: ClassVar[str] = "nothing (one process)"
+    #: the degree ``--workers`` fills (None: the processes are the product of the degrees, ``pipeline``)
+    fills: ClassVar[str | None] = "dp_replicate"
+    #: the axes over which this class cuts one replica (dp_shard, pp, tp), besides the replicas themselves
+    cuts: ClassVar[tuple[str, ...]] = ()
+    #: degrees where the settings name none (``pipeline``: 2 stages)
+    degrees: ClassVar[dict[str, int]] = {}
 
     def __init__(self, topology: Topology, options: Any = None, layout: Layout | None = None):
         self.options = options if options is not None else section_defaults(self.config_section)
@@ -124,12 +151,18 @@ class Strategy:
         self.out_of_order: OutOfOrder | None = None
         self.rebalancing: Rebalancing | None = None
         self.sharded_state: ShardedState | None = None
+        self.held_state: HeldState | None = None
 
     # -- before anything starts ------------------------------------------------------------------------
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        """The job's layout for ``--workers`` (None: not given). By default one process."""
+        """The job's layout for ``--workers`` (None: not given). By default one process, which no degree cuts."""
+        given = {axis: size for axis, size in given_degrees(options).items() if size is not None and size > 1}
+        if given:
+            flags = " ".join(f"--{axis.replace('_', '-')} {size}" for axis, size in given.items())
+            raise ConfigError(f"--strategy {cls.name} runs one process; {flags} lays a model over several: use "
+                              f"--strategy sync with it")
         return Layout.data_parallel(cls.name, 1)
 
     @classmethod
@@ -272,9 +305,11 @@ class Strategy:
 def check_batch(slices: int, global_batch: int, accumulate: int) -> None:
     """The global batch must cut into ``slices`` equal slices of ``accumulate`` equal micro-batches."""
     if slices > 1 and global_batch % slices:
+        below, above = global_batch // slices * slices, (global_batch // slices + 1) * slices
+        fits = f"{below} or {above}" if below else f"{above}"
         raise ConfigError(
             f"--batch-size {global_batch} does not divide over {slices} workers; pass a multiple of "
-            f"{slices}, or --worker-batch-size B for B examples per worker"
+            f"{slices} (--batch-size {fits}), or --worker-batch-size B for B examples per worker"
         )
     per = global_batch // slices
     if per % accumulate:
@@ -285,6 +320,51 @@ def data_slice(strategy: Strategy) -> Slice:
     """This rank's equal slice of each global batch, from its place on the trainers' ``dp`` axis (for evaluation,
     and for training where nothing re-sizes or hands out slices)."""
     return Slice(strategy.trainers.axis_rank("dp"), strategy.trainers.axis_size("dp"))
+
+
+def degrees_of(cls: type[Strategy], workers: int | None, options: Any = None) -> Degrees:
+    """The degrees of ``--strategy cls.name`` for ``--workers`` (None: not given) and the degrees its options
+    name (:mod:`polytrain.parallel.degrees`)."""
+    given = {**cls.degrees, **{axis: size for axis, size in given_degrees(options).items() if size is not None}}
+    return resolve(fill_of(cls.fills, options), workers, given, DEFAULT_WORKERS, cls.name)
+
+
+def mesh_layout(cls: type[Strategy], workers: int | None, options: Any = None, meets_every: int = 1) -> Layout:
+    """The layout of a strategy of the mesh: one trainer rank per point of ``dp_replicate x dp_shard x pp x
+    tp``, run by the class of its exchange that cuts a replica as the degrees say (:func:`runner_for`)."""
+    degrees = degrees_of(cls, workers, options)
+    runner = runner_for(cls, degrees)
+    return Layout(runner.name, ("trainer",) * degrees.world, degrees.axes(), degrees.dp, meets_every=meets_every,
+                  named=cls.name if runner is not cls else "")
+
+
+def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
+    """The class that runs ``degrees`` for ``--strategy cls.name``: ``cls`` where it cuts a replica over every
+    axis the degrees cut, else the registered class of the same exchange that does with the fewest axes
+    (``--strategy sync --dp-shard 4``: fsdp). One ConfigError line where none does."""
+    cut = set(degrees.cut())
+    if cut <= set(cls.cuts):
+        return cls
+    found = [c for c in _REGISTRY.values() if cls.exchange and c.exchange == cls.exchange and cut <= set(c.cuts)]
+    if found:
+        return min(found, key=lambda c: (len(c.cuts), c.fills is None, c.name))
+    given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut() if a not in cls.cuts)
+    takes = ", ".join(f"--{a.replace('_', '-')}" for a in cls.cuts) or "none: each replica whole on one rank"
+    raise ConfigError(f"--strategy {cls.name} with {given}: not supported (the axes it cuts a replica over: "
+                      f"{takes}); drop {given.split(' ')[0]}, or use --strategy sync for the degrees")
+
+
+def strategy_class(config: Any, layout: Layout | None = None, processes: int | None = None) -> type[Strategy]:
+    """The class that runs ``config``'s ``--strategy``: the one named, or the one the job's ``layout`` says runs
+    its degrees (``sync --dp-shard 4``: fsdp); without a layout, the one that lays out ``processes``."""
+    from polytrain.strategies.settings import options_of
+
+    named = get_strategy(config.train.strategy)
+    if layout is None and processes is not None:
+        layout = layout_for(named, processes, options_of(config, named))
+    if layout is not None and layout.named == named.name and layout.strategy != named.name:
+        return get_strategy(layout.strategy)
+    return named
 
 
 def layout_for(cls: type[Strategy], processes: int, options: Any = None) -> Layout:

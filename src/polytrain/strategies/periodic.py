@@ -40,9 +40,10 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.phases import phase
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, register_strategy
+from polytrain.strategies.base import Strategy, mesh_layout, register_strategy
 from polytrain.strategies.step import StepResult
 from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
+from polytrain.parallel.dtensor import average, full, like, load_whole, local, shard_of, whole_state
 
 #: DiLoCo's outer settings (Douillard et al. 2023, section 3): Nesterov momentum 0.9, outer learning rate 0.7
 DEFAULT_OUTER_LR = 0.7
@@ -123,6 +124,9 @@ class LocalSGD(Strategy):
     lost_worker = None  # --on-failure continue: every rank a whole replica (and diloco's)
     summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
     config_section = "periodic"
+    cuts = ("dp_shard",)  # a replica may be fsdp-sharded: the replicas then meet on each rank's shard
+    exchange = "local-sgd"
+    meeting = "parameters averaged every --sync-every H steps"
 
     def __init__(self, topology: Any, options: PeriodicConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
@@ -131,7 +135,7 @@ class LocalSGD(Strategy):
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
         opts = options if options is not None else PeriodicConfig()
-        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS, meets_every=opts.sync_every)
+        return mesh_layout(cls, workers, options, meets_every=opts.sync_every)
 
     def describe(self) -> str:
         return f"{super().describe()}, each worker its own optimizer; {self._meeting()} every " \
@@ -140,15 +144,38 @@ class LocalSGD(Strategy):
     def _meeting(self) -> str:
         return "parameters averaged"
 
+    def _materialize(self, model: nn.Module) -> nn.Module:
+        return model if self._sharded() else super()._materialize(model)  # sharded: unit by unit in _wrap
+
+    def _sharded(self) -> bool:
+        return self.topology.axis_size("dp_shard") > 1
+
     def _wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.topology.device)
-        if self.topology.distributed:  # start from rank 0's replica, as DDP does (not counted: start-up only)
-            for tensors in _by_dtype(list(model.parameters()) + list(model.buffers())).values():
+        from polytrain.parallel.fsdp import shard_model
+
+        topo = self.topology
+        if self._sharded():  # each replica fsdp-sharded over its dp_shard ranks (FSDP, not HSDP: they meet here)
+            model = shard_model(model, topo, topo.submesh("dp_shard"))
+        else:
+            model = model.to(topo.device)
+        group, size = self._replicas()
+        if size > 1:  # start from replica 0's parameters, as DDP does (not counted: start-up only)
+            for tensors in _by_dtype([local(t) for t in list(model.parameters()) + list(model.buffers())]).values():
                 flat = _flatten_dense_tensors([t.detach() for t in tensors])
-                dist.broadcast(flat, src=dist.get_global_rank(self.topology.group, 0), group=self.topology.group)
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
                 for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                     t.data.copy_(value)
         return model
+
+    def _replicas(self) -> tuple[Any, int]:
+        """The group the replicas meet in (the ranks of this one's coordinate in every other replica) and its size."""
+        size = self.topology.axis_size("dp_replicate")
+        return (self.topology.axis_group("dp_replicate") if size > 1 else None), size
+
+    def _grad_sync(self, model: nn.Module, enabled: bool) -> Any:
+        from polytrain.parallel.fsdp import gradient_sync
+
+        return gradient_sync(model, enabled)  # --accumulate over a sharded replica: reduce-scattered once
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -170,21 +197,17 @@ class LocalSGD(Strategy):
 
     def _synced(self, model: nn.Module) -> list[torch.Tensor]:
         """What meets at a sync point: the parameters and the floating-point buffers (BatchNorm statistics;
-        integer ones such as its step counter are equal on every worker anyway)."""
-        return [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+        integer ones such as its step counter are equal on every worker anyway), each rank's shard of them."""
+        return [local(t) for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
 
     def _average_into(self, tensors: list[torch.Tensor]) -> None:
-        """Replace ``tensors`` by their average over the trainers, in place: one all-reduce per dtype."""
-        topo = self.topology
-        if not topo.distributed:
+        """Replace ``tensors`` (this rank's shards) by their average over the replicas, in place: one
+        all-reduce per dtype."""
+        group, size = self._replicas()
+        if not self.topology.distributed or size < 2:
             return
-        for group in _by_dtype(tensors).values():
-            flat = _flatten_dense_tensors([t.detach() for t in group])
-            topo.all_reduce_sum(flat)
-            flat.div_(topo.world_size)
-            self.traffic.all_reduce(flat.numel() * flat.element_size(), topo.world_size)
-            for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
-                t.data.copy_(value)
+        for kind in _by_dtype(tensors).values():
+            self.traffic.all_reduce(average(kind, group, size), size)
 
     # -- the whole model ---------------------------------------------------------------------------
 
@@ -193,16 +216,27 @@ class LocalSGD(Strategy):
         model = self.module.state_dict()
         if self._dirty:  # mid-round: the average of the replicas, leaving each worker's own untouched
             model = {k: v.detach().clone() for k, v in model.items()}
-            self._average_into([v for v in model.values() if v.is_floating_point()])
+            self._average_into([local(v) for v in model.values() if v.is_floating_point()])
+        assert self.optimizer is not None
+        if self._sharded():  # each replica's shards gathered whole (a collective over its dp_shard ranks)
+            model, held = whole_state(self.module, self.optimizer, optimizer, model)
+            return {"model": model, **({"optimizer": held} if optimizer else {})} if self.trainers.is_main else None
         if not self.trainers.is_main:
             return None
-        assert self.optimizer is not None
         return {"model": model, **({"optimizer": self.optimizer.state_dict()} if optimizer else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._sharded():  # each tensor cut into this rank's shard
+            assert self.optimizer is not None
+            return load_whole(self.module, self.optimizer, state)
+        super().load_state_dict(state)
 
 
 @register_strategy
 class Diloco(LocalSGD):
     name = "diloco"
+    exchange = "diloco"
+    meeting = "an outer Nesterov SGD step on the averaged change every --sync-every H steps"
     summary = ("DiLoCo: each worker its own (inner) optimizer on its slice; every --sync-every H steps an outer "
                "Nesterov SGD step on the averaged parameter change")
 
@@ -230,6 +264,9 @@ class Diloco(LocalSGD):
         if opts.outer_error_feedback and opts.outer_quantize == "off":
             raise ConfigError("--outer-error-feedback keeps what --outer-quantize rounds off, and it is off; give "
                               "--outer-quantize int8 or int4, or drop --outer-error-feedback")
+        if opts.outer_error_feedback and layout.axis("dp_shard") > 1:
+            raise ConfigError(f"--outer-error-feedback with --dp-shard {layout.axis('dp_shard')}: what rounding left "
+                              "out is kept per rank, and a checkpoint keeps one rank's; drop one of them")
 
     def _meeting(self) -> str:
         momentum = "?" if self.outer_momentum is None else f"{self.outer_momentum:g}"
@@ -240,8 +277,9 @@ class Diloco(LocalSGD):
 
     def prepare(self, model: nn.Module, make_optimizer: Any, recipe: Any = None, place: Any = None) -> nn.Module:
         prepared = super().prepare(model, make_optimizer, recipe, place)
-        # the anchor: the parameters every worker started this round from; the outer optimizer steps it
-        self._anchor = [p.detach().clone() for p in self.module.parameters()]
+        # the anchor: the parameters every worker started this round from (its shard of them); the outer
+        # optimizer steps it
+        self._anchor = [local(p).detach().clone() for p in self.module.parameters()]
         if self.outer_momentum is None:
             assert self.optimizer is not None
             self.outer_momentum, self._outer_momentum_why = default_outer_momentum(self.optimizer, self.outer_lr)
@@ -274,7 +312,7 @@ class Diloco(LocalSGD):
                 self.exchange.settle()
 
     def _meet(self) -> None:
-        params = list(self.module.parameters())
+        params = [local(p) for p in self.module.parameters()]
         super()._meet()  # the replicas' average (buffers: just averaged)
         for anchor, averaged in zip(self._anchor, params):
             anchor.grad = anchor - averaged  # the round's outer "gradient": how far the average moved, negated
@@ -289,24 +327,40 @@ class Diloco(LocalSGD):
             with torch.no_grad():
                 self.exchange.settle()
         state = super().state_dict(optimizer)
-        if state is not None and optimizer:
+        if optimizer and self._sharded():  # the anchor and outer momentum whole (collectives: every rank)
+            outer = self._whole_outer()
+        elif state is not None and optimizer:
             assert self.outer is not None
-            state["outer"] = {"anchor": [a.detach().clone() for a in self._anchor],
-                              "optimizer": self.outer.state_dict()}
+            outer = {"anchor": [a.detach().clone() for a in self._anchor], "optimizer": self.outer.state_dict()}
+        if state is not None and optimizer:
+            state["outer"] = outer
             if self.exchange is not None and self.exchange.errors:
                 state["outer"]["exchange"] = self.exchange.state()
         return state
+
+    def _whole_outer(self) -> dict[str, Any]:
+        """The anchor and the outer optimizer's state, each shard gathered whole (a collective over dp_shard)."""
+        assert self.outer is not None
+        params = list(self.module.parameters())
+        held = self.outer.state_dict()
+        return {"anchor": [full(shard_of(a, p)) for a, p in zip(self._anchor, params)],
+                "optimizer": {**held, "state": {i: {k: full(shard_of(v, params[int(i)])) if torch.is_tensor(v) and
+                                                     k != "step" else v for k, v in per.items()}
+                                                for i, per in held["state"].items()}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         params = list(self.module.parameters())
         outer = state.get("outer")  # a checkpoint of another strategy: this round starts from its model
         with torch.no_grad():
-            for anchor, source in zip(self._anchor, outer["anchor"] if outer else params):
-                anchor.copy_(source)
+            for anchor, source, param in zip(self._anchor, outer["anchor"] if outer else params, params):
+                anchor.copy_(local(like(source, param)) if outer else local(source))
         if outer:
             assert self.outer is not None
-            self.outer.load_state_dict(outer["optimizer"])
+            held = outer["optimizer"]
+            self.outer.load_state_dict({**held, "state": {
+                i: {k: local(like(v, params[int(i)])) if torch.is_tensor(v) and k != "step" else v
+                    for k, v in per.items()} for i, per in held["state"].items()}})
             if self.exchange is not None:
                 self.exchange.load(outer.get("exchange"))
 

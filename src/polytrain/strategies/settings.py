@@ -92,7 +92,8 @@ class Sections:
 
 def options_of(config: Any, strategy_cls: Any) -> Any:
     """The options a strategy of class ``strategy_cls`` reads: its own config section (None if it has none),
-    with the sections it also reads (``also_reads``)."""
+    with the sections it also reads (``also_reads``) and the degrees of the mesh (``--dp-replicate`` ...
+    ``--tp``: :mod:`polytrain.parallel.degrees`)."""
     own = getattr(config, strategy_cls.config_section, None) if strategy_cls.config_section else None
-    more = [getattr(config, name) for name in getattr(strategy_cls, "also_reads", ())]
-    return Sections(own, *more) if own is not None and more else own
+    more = [getattr(config, name) for name in (*getattr(strategy_cls, "also_reads", ()), "parallel")]
+    return Sections(own, *more) if own is not None else Sections(*more)

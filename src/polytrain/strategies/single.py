@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from polytrain.strategies.base import Strategy, register_strategy
+from polytrain.train.held import HeldState
 
 
 @register_strategy
 class SingleDevice(Strategy):
     name = "single"
     summary = "one process on one device"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.held_state = HeldState(self)  # the whole model: a resume reads the checkpoint straight into it

@@ -87,10 +87,21 @@ def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, a
     given the scaled loss (16-mixed); the returned loss is unscaled.
     """
     amp = amp or _FLOAT32
-    total = torch.zeros((), device=batch.inputs.device)
-    pieces = list(zip(amp.inputs(batch.inputs).chunk(accumulate), batch.targets.chunk(accumulate)))
     micro_loss = _task_loss if loss == "task" else _model_loss
     global_units = batch.global_units if loss == "task" else _model_global_units(task, batch, replicas)
+    if accumulate == 1:  # one micro-batch: no chunks, no running sum (a step's fixed cost is its Python and ops)
+        with grad_sync(model, True):
+            with phase("forward"), amp.autocast():
+                mean, units = micro_loss(model, task, amp.inputs(batch.inputs), batch.targets)
+                divisor = loss_divisor(global_units, replicas, units)
+                weighed = mean / divisor if divisor != 1 else mean  # (x / 1 is x: the same bits either way)
+            with phase("backward"):
+                backward(amp.scale(weighed))
+        out = weighed.detach()
+        device = batch.inputs.device
+        return out if out.dtype == torch.float32 and out.device == device else out.to(device, torch.float32)
+    total = torch.zeros((), device=batch.inputs.device)
+    pieces = list(zip(amp.inputs(batch.inputs).chunk(accumulate), batch.targets.chunk(accumulate)))
     for i, (x, y) in enumerate(pieces):
         with grad_sync(model, i == len(pieces) - 1):
             with phase("forward"), amp.autocast():

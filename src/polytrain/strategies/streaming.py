@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from polytrain.parallel.dtensor import local
+
 BLOCK = 256  # values per quantisation scale
 QUANTIZE_CHOICES = ("off", "int8", "int4")
 
@@ -122,10 +124,14 @@ class OuterExchange:
         self.fragments, self.overlap, self.mix = fragments, overlap, mix
         self.bits = {"off": 0, "int8": 8, "int4": 4}[quantize_to]
         self.error_feedback = error_feedback
-        self.params: list[torch.Tensor] = list(diloco.module.parameters())
         self.groups = split_fragments([p.numel() for p in self.params], fragments)
         self.errors: dict[int, torch.Tensor] = {}  # --outer-error-feedback: what rounding left out, per fragment
         self.pending: list[_Pending] = []
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """This rank's parameters (its shards, where the replica is sharded), in the model's order."""
+        return [local(p) for p in self.diloco.module.parameters()]
 
     def describe(self) -> str:
         parts = []
@@ -175,26 +181,28 @@ class OuterExchange:
     # -- one fragment ------------------------------------------------------------------------------------
 
     def _tensors(self, fragment: int) -> list[torch.Tensor]:
-        params = [self.params[i] for i in self.groups[fragment]]
+        every = self.params
+        params = [every[i] for i in self.groups[fragment]]
         if fragment == 0:  # the floating-point buffers meet with fragment 0
-            params += [b for b in self.diloco.module.buffers() if b.is_floating_point()]
+            params += [local(b) for b in self.diloco.module.buffers() if b.is_floating_point()]
         return params
 
     def _start(self, fragment: int, due: int) -> _Pending:
         topo, traffic = self.diloco.topology, self.diloco.traffic
-        n = topo.world_size
+        replicas, n = self.diloco._replicas()  # this rank's shards meet those of the same coordinate
         tensors = self._tensors(fragment)
-        if not topo.distributed:
+        if not topo.distributed or n < 2:
             return _Pending(fragment, due, [], [])
         work, flats = [], []
         if not self.bits:  # the parameters themselves, summed (plain DiLoCo's exchange)
             for group in _by_dtype(tensors).values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
-                work.append(dist.all_reduce(flat, group=topo.group, async_op=True))
+                work.append(dist.all_reduce(flat, group=replicas, async_op=True))
                 traffic.all_reduce(flat.numel() * flat.element_size(), n)
                 flats.append(flat)
             return _Pending(fragment, due, work, flats)
-        params = [self.params[i] for i in self.groups[fragment]]
+        every = self.params
+        params = [every[i] for i in self.groups[fragment]]
         anchors = [self.diloco._anchor[i] for i in self.groups[fragment]]
         delta = _flatten_dense_tensors([(a - p.detach()).float() for a, p in zip(anchors, params)])
         if self.error_feedback:
@@ -203,12 +211,12 @@ class OuterExchange:
         if self.error_feedback:
             self.errors[fragment] = delta - dequantize(payload, delta.numel(), self.bits)
         gathered = [torch.empty_like(payload) for _ in range(n)]
-        work.append(dist.all_gather(gathered, payload, group=topo.group, async_op=True))
+        work.append(dist.all_gather(gathered, payload, group=replicas, async_op=True))
         traffic.add((n - 1) * payload.numel(), (n - 1) * payload.numel())  # ring all-gather
         buffers = tensors[len(params):]
         for group in _by_dtype(buffers).values():  # BatchNorm statistics: averaged whole, as plain DiLoCo
             flat = _flatten_dense_tensors([t.detach() for t in group])
-            work.append(dist.all_reduce(flat, group=topo.group, async_op=True))
+            work.append(dist.all_reduce(flat, group=replicas, async_op=True))
             traffic.all_reduce(flat.numel() * flat.element_size(), n)
             flats.append(flat)
         return _Pending(fragment, due, work, [delta, *gathered, *flats])
@@ -218,14 +226,16 @@ class OuterExchange:
         for handle in item.work:
             handle.wait()
         index = self.groups[item.fragment]
-        params = [self.params[i] for i in index]
+        every = self.params
+        params = [every[i] for i in index]
         anchors = [diloco._anchor[i] for i in index]
         tensors = self._tensors(item.fragment)
-        n = topo.world_size
+        n = diloco._replicas()[1]
+        met = topo.distributed and n > 1
         with torch.no_grad():
-            local = [p.detach().clone() for p in params] if self.overlap else None
+            mine = [p.detach().clone() for p in params] if self.overlap else None
             if not self.bits:
-                if topo.distributed:  # the average into the parameters and buffers, as plain DiLoCo
+                if met:  # the average into the parameters and buffers, as plain DiLoCo
                     for group, flat in zip(_by_dtype(tensors).values(), item.flats):
                         flat.div_(n)
                         for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
@@ -235,9 +245,9 @@ class OuterExchange:
             else:
                 delta, gathered, flats = item.flats[0], item.flats[1:1 + n], item.flats[1 + n:]
                 total = torch.zeros_like(delta)
-                for data in (gathered if topo.distributed else []):
+                for data in (gathered if met else []):
                     total += dequantize(data, delta.numel(), self.bits)
-                mean = total / n if topo.distributed else dequantize(quantize(delta, self.bits), delta.numel(),
+                mean = total / n if met else dequantize(quantize(delta, self.bits), delta.numel(),
                                                                      self.bits)
                 for anchor, grad in zip(anchors, _unflatten_dense_tensors(mean, anchors)):
                     anchor.grad = grad.to(anchor.dtype)
@@ -249,10 +259,10 @@ class OuterExchange:
             assert diloco.outer is not None
             diloco.outer.step()  # only the anchors with a gradient move (SGD skips the others)
             for k, (anchor, param) in enumerate(zip(anchors, params)):
-                if local is None:
+                if mine is None:
                     param.data.copy_(anchor)
                 else:
-                    param.data.copy_(self.mix * local[k] + (1 - self.mix) * anchor)
+                    param.data.copy_(self.mix * mine[k] + (1 - self.mix) * anchor)
                 anchor.grad = None
 
     # -- checkpoints -------------------------------------------------------------------------------------

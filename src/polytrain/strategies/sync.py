@@ -37,7 +37,8 @@ from polytrain.options import option, register_section
 from polytrain.phases import interval, phase
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, data_slice, register_strategy
+from polytrain.strategies.base import Strategy, data_slice, mesh_layout, register_strategy
+from polytrain.train.held import HeldState
 from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -73,9 +74,14 @@ class SyncDataParallel(Strategy):
     lost_worker = None  # --on-failure continue: every rank a whole replica
     summary = "synchronous data parallel: each worker a slice of the global batch, gradients all-reduced"
     config_section = "sync"
+    exchange = "sync"
+    meeting = "gradients averaged every step"
 
     def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
+        # identical replicas: --save-model DIR writes rank 0's one tensor at a time; a resume reads the checkpoint on
+        # rank 0 and hands it to the others (its replicas may run on machines that share no file system)
+        self.held_state = HeldState(self, by_rows=False)
         self._last_bucket_ready: float | None = None
         self._waited = 0.0
         self._exchange: SharedMemoryAllReduce | None = None
@@ -93,7 +99,7 @@ class SyncDataParallel(Strategy):
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return Layout.data_parallel(cls.name, workers or DEFAULT_WORKERS)
+        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 
 from polytrain.distributed.lifetime import end_if_orphaned
 from polytrain.errors import CheckpointError, ConfigError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 from polytrain.options import option, register_section
 from polytrain.train.files import (atomic_write_text, check_room, discard, disk_problem, estimate_bytes, fsync_dir,
                                    on_disk, os_error, save_to, tmp_path, write_text_to)
@@ -48,6 +49,10 @@ class CheckpointConfig:
     on_checkpoint_error: str = option("stop", "when a checkpoint cannot be written (disk full, I/O error): stop "
                                       "the run, or warn, go on and try again at the next checkpoint",
                                       choices=ON_ERROR)
+    checkpoint_background: bool = option(False, "write the periodic checkpoints in a background thread: a step "
+                                                "waits only for the copy of the state to host memory, which counts "
+                                                "against --memory-limit (the last checkpoint is written in the "
+                                                "foreground)")
 
 
 def check_checkpoint_dir(directory: str | None) -> None:
@@ -115,7 +120,7 @@ class Checkpointer:
             if self.on_error != "warn":
                 raise CheckpointError(f"{message}; {problem[1]} or give another --checkpoint-dir") from None
             get_logger().warning(f"{message}; going on without it (--on-checkpoint-error warn), the next "
-                                 "checkpoint tries again")
+                                 "checkpoint tries again", extra=EVERY_RANK)
             return None
         self._prune(step)
         return path
@@ -126,10 +131,22 @@ class Checkpointer:
         checkpoint less the model and optimizer tensors) with a manifest listing every part, and moves
         ``latest``. A part the disk refuses anywhere undoes every part, and every rank raises the same
         CheckpointError (or, with ``on_error="warn"``, returns None; the main rank warns)."""
+        return self.commit_parts(meta, self.write_part(part, step, group), step, group)
+
+    def write_part(self, part: dict[str, Any], step: int, group: Any) -> tuple[Any, Any]:
+        """This rank's part of step ``step`` under its temporary name (no collective: it may run in a thread of
+        its own, :mod:`polytrain.train.background`); what :meth:`commit_parts` takes."""
+        mine = part_path(self.path(step), group.rank, group.world_size)
+        return self._write_part({"format": PART_FORMAT, "step": step, "rank": group.rank,
+                                 "parts": group.world_size, **part}, mine)
+
+    def commit_parts(self, meta: dict[str, Any] | None, written: tuple[Any, Any], step: int,
+                     group: Any) -> Path | None:
+        """The rest of :meth:`save_parts` once every rank has written its part (``written``: what
+        :meth:`write_part` returned): collective over ``group``."""
         path = self.path(step)
         mine = part_path(path, group.rank, group.world_size)
-        record, problem = self._write_part({"format": PART_FORMAT, "step": step, "rank": group.rank,
-                                            "parts": group.world_size, **part}, mine)
+        record, problem = written
         records = group.all_gather_object((record, problem))
         failed = [(rank, p) for rank, (_, p) in enumerate(records) if p is not None]
         if not failed:
@@ -149,7 +166,7 @@ class Checkpointer:
                 raise CheckpointError(f"{message}; {fix} or give another --checkpoint-dir")
             if group.is_main:
                 get_logger().warning(f"{message}; going on without it (--on-checkpoint-error warn), the next "
-                                     "checkpoint tries again")
+                                     "checkpoint tries again", extra=EVERY_RANK)
             return None
         if not group.is_main:
             return path
@@ -203,6 +220,27 @@ class Checkpointer:
             discard(manifest_tmp)
         fsync_dir(self.directory)
         atomic_write_text(self.directory / LATEST, path.name + "\n")
+
+    def take(self, source: Path, step: int) -> Path:
+        """Copy step ``step``'s checkpoint (its file, manifest and parts) from the directory ``source`` into this
+        one and move ``latest`` to it (:mod:`polytrain.train.snapshot`); each file under a temporary name first,
+        the main file renamed into place last, so a checkpoint never appears half-copied."""
+        path = self.path(step)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        names = [p.name for p in parts_of(source, step)] + [manifest_path(path).name, path.name]
+        for name in names:  # (the main file last: its appearance is the checkpoint's)
+            tmp = tmp_path(self.directory / name)
+            try:
+                shutil.copyfile(source / name, tmp)
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.directory / name)
+            finally:
+                discard(tmp)
+        fsync_dir(self.directory)
+        atomic_write_text(self.directory / LATEST, path.name + "\n")
+        self._prune(step)
+        return path
 
     def _points_to(self, path: Path) -> bool:
         try:

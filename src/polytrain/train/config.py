@@ -38,7 +38,14 @@ class TrainConfig:
     seed: int = option(0, "random seed (same seed, device and strategy: same loss trajectory)", minimum=0)
     eval_every: int = option(100, "evaluate on the test split every N steps (0: only at the end)", minimum=0,
                              metavar="N")
-    eval_batch_size: int = option(256, "examples per evaluation batch per worker", minimum=1, metavar="N")
-    save_model: str | None = option(None, "write the trained model's state_dict here (torch.save)",
-                                    metavar="FILE")
+    eval_batch_size: int | None = option(None, "examples per evaluation batch per worker (default 256; under "
+                                         "--memory-limit at most training's batch per worker, which fits)",
+                                         minimum=1, metavar="N")
+    save_model: str | None = option(None, "write the trained model here: FILE.pt (its state_dict, torch.save), "
+                                          "FILE.safetensors, or a directory (a path without a suffix, ending in /, "
+                                          "or an existing one): Hugging Face's layout, config.json of a transformers "
+                                          "model and safetensors shards, written one tensor at a time",
+                                    metavar="FILE|DIR")
+    save_shard_size: str = option("5GB", "--save-model DIR: the most bytes of tensors per safetensors shard",
+                                  metavar="SIZE")
     deterministic: bool = option(False, "use only deterministic algorithms (slower on GPU)")

@@ -89,6 +89,7 @@ class ElasticRun:
         self.snapshot: dict[str, Any] | None = None
         self.changes: list[dict[str, Any]] = []
         self._carry: tuple[Any, ...] | None = None  # a change under way: the state it continues from
+        self._waited = False  # (tests, JOIN_AT_ENV: this process waited for a joiner once already)
         self._remember(trainer.strategy)
         self._use(trainer.strategy)
         generation = membership.generation
@@ -147,8 +148,11 @@ class ElasticRun:
             at = os.environ.get(JOIN_AT_ENV)
             if at is None:
                 mine = self.membership.joiners_waiting()
-            elif step >= int(at):  # (tests: admitted at the first boundary from step S, which waits for one)
-                mine = self.membership.wait_for_joiner()
+            elif step >= int(at):  # (tests: admitted at the first boundary from step S, which waits for one,
+                # once: a replacement that died before it was admitted leaves none to come, and a wait at every
+                # boundary would outlast the others' collective, again and again)
+                mine = self.membership.joiners_waiting() if self._waited else self.membership.wait_for_joiner()
+                self._waited = True
         return agree_with_rank0(trainers)(mine)
 
     def _keep(self, strategy: Any) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from polytrain.distributed.cluster import slurm_restart_count
 from polytrain.errors import ConfigError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 from polytrain.options import option, register_section
 
 ATTEMPT_ENV = "POLYTRAIN_RESTART_COUNT"
@@ -41,6 +41,9 @@ class RestartConfig:
     checkpoint_every_seconds: float | None = option(None, "also checkpoint once S seconds have passed since the "
                                                           "last checkpoint (decided at log points)",
                                                     minimum=0.001, metavar="S")
+    snapshot_every: int = option(0, "with --max-restarts: also write the state every K steps to this machine's "
+                                    "memory (in the background), where a restart resumes from it instead of the "
+                                    "disk's older checkpoint (0: none)", minimum=0, metavar="K")
 
 
 def attempt_number() -> int:
@@ -120,7 +123,7 @@ class InjectedKill:
             self._fire(step)
 
     def _fire(self, step: int) -> None:
-        get_logger().warning(f"{KILL_ENV}: sending this process {self.signal} after step {step}")
+        get_logger().warning(f"{KILL_ENV}: sending this process {self.signal} after step {step}", extra=EVERY_RANK)
         if os.environ.get(KILL_LOG_ENV):
             with open(os.environ[KILL_LOG_ENV], "a") as fh:
                 fh.write(f"{attempt_number()} {step} {time.time()}\n")

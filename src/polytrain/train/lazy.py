@@ -17,6 +17,7 @@ from polytrain.errors import ConfigError
 from polytrain.train.integrity import Signature, Verdict
 from polytrain.weights.sources import MappedSource, PartsSource, Source
 
+TENSOR = object()  # optimizer_state's mark of a tensor to read by region
 _TENSORS = ("model", "optimizer", "sharded", "outer")  # (outer: diloco's anchor, a whole model)
 
 
@@ -39,9 +40,9 @@ class LazyCheckpoint:
             self._keys.setdefault(int(index), []).append(key)
 
     def optimizer_state(self, index: int) -> dict[str, Any]:
-        """The keys parameter ``index`` has state for: ``{key: None}`` for a tensor (read it by region from
+        """The keys parameter ``index`` has state for: ``{key: TENSOR}`` for a tensor (read it by region from
         :attr:`optimizer` as ``INDEX/KEY``), the value itself otherwise."""
-        keys: dict[str, Any] = {key: None for key in self._keys.get(index, [])}
+        keys: dict[str, Any] = {key: TENSOR for key in self._keys.get(index, [])}
         keys.update({k: v for (i, k), v in self.optimizer_values.items() if i == index})
         return keys
 

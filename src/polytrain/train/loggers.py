@@ -2,9 +2,10 @@
 metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with sinks enabled.
 
 The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
-``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec``,
-``sec_per_batch``, ``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall
-seconds since the loop began, ...),
+``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec`` and ``sec_per_batch`` (over the latest
+max(``--log-every``, 50) steps after the first 5, each step's own seconds: not the log points' work),
+``rank_examples_per_sec``, ``rank_batch`` (each rank's mean slice), ``time_s``: wall seconds since the loop
+began, ``eta_s``: the wall seconds the steps left should take, ...),
 ``eval`` (``eval_loss``, ``eval_accuracy``) and a final ``end`` (``steps``, ``train_loss``, ``eval_loss``,
 ``eval_accuracy``, ``wall_s``, each trainer rank's memory: ``peak_memory_mb``, ``rank_peak_memory_mb``,
 ``rank_state_mb``, ``rank_activation_mb``, ``rank_memory_bytes`` (:mod:`polytrain.train.memory`), ...).
@@ -50,6 +51,15 @@ def _number(value: Any) -> bool:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def clock(seconds: float | None) -> str:
+    """Seconds as the progress line shows them: ``0:07``, ``12:34``, ``1:02:03`` (``?`` when not known)."""
+    if seconds is None:
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def step_scalars(record: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +152,8 @@ class RunLog:
                                       f"{record['examples_per_sec']:.0f} ex/s{per_rank}", refresh=False)
         elif self.cfg.progress != "off":
             self.log.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.4g}  "
-                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch"
+                          f"{record['examples_per_sec']:.1f} ex/s  {record['sec_per_batch']:.4f} s/batch  "
+                          f"elapsed {clock(record.get('time_s'))}  left {clock(record.get('eta_s'))}"
                           + (f" {per_rank}" if per_rank else ""))
 
     def advance(self, steps: int = 1) -> None:

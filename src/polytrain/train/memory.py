@@ -35,6 +35,7 @@ from torch import nn
 #: (but a bucketed language-model run's first steps may be shorter than its longest)
 MEASURED_STEPS = 4
 MIB = float(1 << 20)
+_NOTHING = contextlib.nullcontext()
 
 
 # -- what autograd saves for backward -------------------------------------------------------------------
@@ -45,7 +46,9 @@ class SavedTensors:
     and until the last of them is released; parameters (and views of them, such as a weight's transpose) are
     state, not activations, and are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: bool = False) -> None:
+        #: count tensors that have shapes only (meta, fake): the memory plan's forward, whose sizes are concrete
+        self.shapes = shapes
         self.current = 0
         self.peak = 0
         self.count = 0  # tensors saved
@@ -56,7 +59,7 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor):
+        if _is_parameter(tensor) or (not self.shapes and _holds_nothing(tensor)):
             return tensor
         key, size = _storage(tensor)
         with self._lock:
@@ -96,6 +99,14 @@ class _Held:
 
 def _unpack(packed: Any) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Held) else packed
+
+
+def _holds_nothing(tensor: torch.Tensor) -> bool:
+    """A tensor with shapes only: on the meta device, or a fake one (a traced pipeline stage infers its
+    shapes on fake tensors in its first step; their sizes may be symbolic, which no count can hold)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -190,13 +201,36 @@ def peak_bytes(device: torch.device) -> int:
     peak resident set (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    found = _status_bytes("VmHWM")
+    if found is not None:
+        return found
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB elsewhere
+
+
+def current_bytes(device: torch.device) -> int:
+    """What :func:`peak_bytes` counts, now: the memory allocated on a GPU, the resident set (``VmRSS``) here."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    found = _status_bytes("VmRSS")
+    return found if found is not None else peak_bytes(device)
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size field of this process's ``/proc/self/status`` in bytes (None: not on Linux)."""
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB elsewhere
+    return None
+
+
+@dataclass
+class Measured:
+    """What :meth:`MemoryMeter.apart` measured: the block's peak above what was in use at its start."""
+
+    need: int = 0
 
 
 # -- the trainer's meter --------------------------------------------------------------------------------
@@ -209,14 +243,34 @@ class MemoryMeter:
         self.device = torch.device(device)
         self.measured_steps = measured_steps
         self._peaks: list[int] = []  # the measured steps' activations
+        self._carried = 0  # the peak before a block measured apart (which starts the peak over)
         reset_peak(self.device)
 
+    @property
+    def done(self) -> bool:
+        """Whether the measured steps are over (a later step needs no :meth:`step`)."""
+        return len(self._peaks) >= self.measured_steps
+
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def apart(self) -> Iterator[Measured]:
+        """Measure the block's own peak above what is in use at its start (the run's peak so far is kept)."""
+        self._carried = max(self._carried, peak_bytes(self.device))
+        start = current_bytes(self.device)
+        reset_peak(self.device)
+        measured = Measured()
+        try:
+            yield measured
+        finally:
+            measured.need = max(0, peak_bytes(self.device) - start)
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
         """Around one training step: its activations are counted if it is one of the first steps."""
-        if len(self._peaks) >= self.measured_steps:
-            yield
-            return
+        if self.done:
+            return _NOTHING
+        return self._measured()
+
+    @contextlib.contextmanager
+    def _measured(self) -> Iterator[None]:
         counter = SavedTensors()
         with counter.hooks():
             yield
@@ -231,7 +285,7 @@ class MemoryMeter:
     def rank_numbers(self, strategy: Any) -> dict[str, int | None]:
         """This rank's numbers, in bytes."""
         state = state_bytes(strategy.module, strategy_optimizers(strategy))
-        return {"peak": peak_bytes(self.device), **asdict(state), "activations": self.activations}
+        return {"peak": max(peak_bytes(self.device), self._carried), **asdict(state), "activations": self.activations}
 
     def summary(self, strategy: Any, trainers: Any) -> dict[str, Any]:
         """The end summary's memory entries (collective over ``trainers``: every trainer rank calls it)."""

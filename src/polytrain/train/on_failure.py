@@ -28,9 +28,10 @@ CHOICES = ("stop", "continue")
 @dataclass
 class OnFailureConfig:
     on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
-                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: the others "
-                                     "go on from the current step with the same global batch over fewer workers; "
-                                     "with --max-restarts R a replacement joins, up to R times)", choices=CHOICES)
+                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: when any "
+                                     "worker but rank 0 dies, the others go on from the current step with the "
+                                     "same global batch over fewer workers; with --max-restarts R a replacement "
+                                     "joins, up to R times; losing rank 0 still ends the job)", choices=CHOICES)
 
 
 def continuing(config: Any) -> bool:
@@ -42,7 +43,9 @@ def check_on_failure(config: Any, layout: Any) -> None:
     """One line for a setting ``--on-failure continue`` cannot work with, before anything starts."""
     if not continuing(config):
         return
-    strategy = get_strategy(config.train.strategy)
+    from polytrain.strategies.base import strategy_class
+
+    strategy = strategy_class(config, layout)  # (the class that runs the degrees: sync --dp-shard 2 is fsdp's)
     if strategy.lost_worker is not None:
         supported = [name for name in available_strategies() if get_strategy(name).lost_worker is None]
         raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {strategy.lost_worker}; use "

@@ -33,7 +33,9 @@ class OptimConfig:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """The optimizer for ``params`` at learning rate ``lr`` (the schedule updates it each step)."""
+    """The optimizer for ``params`` at learning rate ``lr`` (the schedule updates it each step): those that
+    train (a frozen parameter, ``requires_grad`` off, as ``--lora`` leaves the model's own, is not held)."""
+    params = [p for p in params if p.requires_grad]
     name = cfg.optimizer
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,

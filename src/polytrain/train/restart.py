@@ -44,6 +44,7 @@ from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.dirlock import hold
 from polytrain.train.faults import ATTEMPT_ENV
 from polytrain.train.on_failure import continuing
+from polytrain.train.snapshot import check_snapshots, promote, snapshot_space
 from polytrain.train.run import layout_of, run as run_once
 
 #: what a restart can help with: a process that died or was lost, a peer that did not answer
@@ -60,7 +61,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
     adopt()  # a task of srun or mpirun joins its job as a torchrun worker does (distributed/cluster.py)
     check_restarts(config)
     stop = StopSignal()  # a stop signal, from here to the end, stops the run in order (distributed/stop.py)
-    with stop.handling():
+    with stop.handling(saves="after a checkpoint there" if config.checkpoint.checkpoint_dir else ""):
         if under_torchrun():
             return _under_torchrun(config, model, data, stop)
         return _attempts(config, model, data, stop)
@@ -71,7 +72,8 @@ def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dic
     directory = config.checkpoint.checkpoint_dir
     # --on-failure continue replaces lost workers; without checkpoints, losing rank 0 ends the job (no restart)
     limit = config.restart.max_restarts if directory or not continuing(config) else 0
-    with hold(directory):  # one run per checkpoint directory, for every attempt (train/dirlock.py)
+    # one run per checkpoint directory, for every attempt (train/dirlock.py); --snapshot-every: the snapshots'
+    with hold(directory), snapshot_space(config) as snapshots:  # place in memory (train/snapshot.py)
         before = _latest_mark(directory)  # a checkpoint already there when this run began is not this run's
         causes: list[dict[str, Any]] = []
         attempt = config
@@ -86,6 +88,7 @@ def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dic
                     if limit and not stop.requested:
                         get_logger().error(f"giving up after {limit} restart(s)")
                     raise
+                promote(snapshots, directory, config.checkpoint.keep_checkpoints)  # a newer snapshot: the latest
                 attempt, cause = _next_attempt(config, err, before, len(causes) + 1, time.monotonic() - started)
                 causes.append(cause)
     if summary is not None and limit:
@@ -104,6 +107,9 @@ def check_restarts(config: RunConfig) -> None:
                           "to bound the work lost)")
     if restart.checkpoint_every_seconds and not directory:
         raise ConfigError("--checkpoint-every-seconds needs --checkpoint-dir DIR (where the checkpoints go)")
+    if config.checkpoint.checkpoint_background and not directory:
+        raise ConfigError("--checkpoint-background needs --checkpoint-dir DIR (where the checkpoints go)")
+    check_snapshots(config, elsewhere=scheduler() is not None or under_torchrun())
     if scheduler() is not None:
         check_scheduler_restarts(restart.max_restarts)
         return

@@ -13,10 +13,11 @@ from torch import nn
 
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.registry import check_data_of
+from polytrain.data.registry import check_data_of, data_of
 from polytrain.data.stream import StreamPlan, TokenStream
 from polytrain.devices.config import check_device_config
 from polytrain.devices.spec import parse_device
+from polytrain.weights.export import check_save_model
 from polytrain.distributed.launch import launch, resolve_backend, resolve_workers, under_torchrun
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
@@ -26,14 +27,18 @@ from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
-from polytrain.strategies.base import layout_for, registered
+from polytrain.strategies.base import layout_for, registered, strategy_class
+from polytrain.parallel.degrees import deprecated_flags
 from polytrain.strategies.settings import check_settings_read
+from polytrain.specs import is_import_path
 from polytrain.train.checkpoint import check_checkpoint_dir
+from polytrain.train.data_check import check_user_data
 from polytrain.train.lr_schedules import parse_lr_schedule
 from polytrain.train.session import strategy_options
 from polytrain.train.on_failure import check_on_failure, continuing, launch_settings
 from polytrain.train.straggler import check_stragglers
 from polytrain.train.unit_options import check_unit_options
+from polytrain.models.lora import check_lora
 from polytrain.train.trainer import train_worker
 
 
@@ -47,6 +52,14 @@ def layout_of(config: RunConfig) -> Layout:
     return strategy.layout(requested_workers(config), options)
 
 
+def warn_deprecated(config: RunConfig) -> None:
+    """One warning line per deprecated flag given (a second name of a degree), saying which flag it is now."""
+    from polytrain.log import get_logger
+
+    for line in deprecated_flags(config):
+        get_logger().warning(line)
+
+
 def requested_workers(config: RunConfig) -> int | None:
     """``--workers``, or the count the ``--device`` spec names (``cpu:4``); None when neither says."""
     if config.launch.workers is None:
@@ -56,15 +69,18 @@ def requested_workers(config: RunConfig) -> int | None:
 
 def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> Layout:
     """Validate ``config`` without starting anything; return the job's layout."""
-    strategy = get_strategy(config.train.strategy)
+    get_strategy(config.train.strategy)
     parse_device(config.device.device)
+    warn_deprecated(config)
     layout = layout_of(config)
+    strategy = strategy_class(config, layout)
     check_device_config(config.device, layout.processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
     strategy.check(layout, config, model)
     check_settings_read(config, strategy, registered())
     check_stragglers(config.straggler.straggler, layout.workers)
     check_unit_options(config, model)
+    check_lora(config, model)
     check_on_failure(config, layout)
     check_precision(config)
     parse_lr_schedule(config.optim.lr_schedule, config.optim.lr, 1)
@@ -81,15 +97,28 @@ def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle
     if model is None and config.model.model != "auto":
         check_model(config.model.model, config.model.model_args)
     check_weights(config)  # --init-from, --model hf:DIR: there, readable
+    check_save_model(config.train.save_model, config.train.save_shard_size)  # --save-model DIR, its shard size
     if data is None:
-        size, bundle = check_data_of(config)
+        if is_import_path(config.data.data):  # a user's factory: its data built and checked, once, here
+            bundle = data_of(config)
+            _check_user_data(bundle, f"--data {config.data.data}", config, model)
+            size = len(bundle.train) if hasattr(bundle.train, "__len__") else None
+        else:
+            size, bundle = check_data_of(config)
         _check_dataset_size(size, layout.slices, config.global_batch(layout.slices))
         if bundle is not None and bundle.task == "lm" and model is None:
             check_lm_model(bundle, config)  # the vocabulary, the positions, --pack: before any worker starts
         if bundle is not None and isinstance(bundle.train, TokenStream) and not config.checkpoint.resume:
             StreamPlan.make(bundle.train, config.global_batch(layout.slices), layout.slices)  # lanes, batch, chunks
+    else:
+        _check_user_data(data, f"data={data.name}", config, model)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir)  # last: it creates the directory
     return layout
+
+
+def _check_user_data(data: DataBundle, what: str, config: RunConfig, model: nn.Module | None) -> None:
+    check_user_data(data, what, model, config.model.model, config.model.model_args,
+                    own_loss=config.train.loss == "model")
 
 
 def _check_dataset_size(train_size: int | None, processes: int, global_batch: int) -> None:

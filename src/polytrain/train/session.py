@@ -30,17 +30,21 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import ConfigError, DeviceError
 from polytrain.log import get_logger
 from polytrain.models.deferred import build_for_run
+from polytrain.weights.export import hf_config_text
 from polytrain.weights.start import given_model, weights_to_load
 from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
+from polytrain.models.lora import apply_lora, describe as describe_lora
 from polytrain.models.replay import build_parts
 from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy, get_strategy
-from polytrain.strategies.base import check_batch, data_slice
+from polytrain.strategies.base import check_batch, data_slice, strategy_class
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
+from polytrain.train.background import CheckpointWrites, copy_state
 from polytrain.train.integrity import signature
+from polytrain.train.lazy import open_verified
 from polytrain.train import reshard
 from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
@@ -106,22 +110,37 @@ class Session:
     def config_toml(self) -> str:
         return to_toml(self.config, comment="resolved polytrain config; reuse with: polytrain train --config FILE")
 
-    def save_checkpoint(self, step: int) -> Path | None:
-        """Write step ``step``'s checkpoint; its path on the trainers' rank 0 (None: not written, warned; or
-        another rank). Collective over the trainer ranks. A strategy that holds shards (``sharded_state``)
-        has each rank write its own part, gathering nothing; any other gathers the whole state to rank 0."""
-        assert self.checkpointer is not None
+    def save_checkpoint(self, step: int, writes: CheckpointWrites, background: bool = False,
+                        checkpointer: Checkpointer | None = None) -> None:
+        """Start writing step ``step``'s checkpoint with ``checkpointer`` (default: the run's; a snapshot's:
+        train/snapshot.py) through ``writes`` (in its thread when ``background`` and ``writes.background``: from
+        a copy of the state in host memory); ``writes.settle`` waits for it and
+        returns its path on the trainers' rank 0. Collective over the trainer ranks. A strategy that holds
+        shards (``sharded_state``) has each rank write its own part, gathering nothing; any other gathers the
+        whole state to rank 0."""
+        checkpointer = checkpointer or self.checkpointer
+        assert checkpointer is not None
+        copied = background and writes.background
         shards = self.strategy.sharded_state
         if shards is None:
             state = self.state_dict(step)
-            return self.checkpointer.save(state, step) if state is not None else None
+            if state is None:  # (not the trainers' rank 0: nothing to write)
+                writes.start(lambda: None, background=False)
+                return
+            state = copy_state(state) if copied else state
+            writes.start(lambda: checkpointer.save(state, step), background=background)
+            return
         part = to_float32(shards.part())  # bf16-true's bfloat16 widened (exact): every checkpoint is float32
+        part = copy_state(part) if copied else part
         meta = self._run_state(step)
         if meta is not None:
             skeleton = shards.skeleton()
             meta["sharded"] = {"parts": self.strategy.trainers.world_size, "param_groups": skeleton["param_groups"],
                                "model": file_signature(skeleton["model"], self.strategy.amp.precision)}
-        return self.checkpointer.save_parts(meta, part, step, self.strategy.trainers)
+        group = self.strategy.trainers
+        writes.start(lambda: checkpointer.write_part(part, step, group),
+                     commit=lambda written: checkpointer.commit_parts(meta, written, step, group),
+                     background=background)
 
     def state_dict(self, step: int) -> dict[str, Any] | None:
         """Checkpoint contents, on the trainers' rank 0 (None elsewhere). Collective over the trainer ranks:
@@ -153,6 +172,7 @@ class Session:
             "world_size": trainers.world_size,
             "strategy": self.config.train.strategy,
             "config": self.config_flat,
+            **({"hf_config": hf} if (hf := hf_config_text(self.strategy.module)) else {}),  # (export's config.json)
         }
 
     def describe(self) -> str:
@@ -171,6 +191,7 @@ class Session:
             f"batch {batch}; {epoch}; training {self.total_steps} steps"
             + (f" from step {self.start_step}" if self.start_step else ""),
             *describe_unit_options(cfg.units, self.strategy.module),
+            *filter(None, [describe_lora(self.strategy.module)]),
             f"loss: {_LOSS_LINES[cfg.train.loss].format(task=self.task.name)}",
             f"precision {self.strategy.amp.describe()}",
             f"optimizer {cfg.optim.optimizer}, lr {self.lr_schedule.base_lr:g}, schedule {self.lr_schedule}",
@@ -199,7 +220,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
-    strategy_cls = get_strategy(config.train.strategy)
+    strategy_cls = strategy_class(config, layout, topology.world_size)
     strategy = strategy_cls(topology, strategy_options(config, strategy_cls), layout)
     mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)
@@ -229,6 +250,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
                                                                              config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
+    model = apply_lora(model, config.lora.lora)  # --lora: adapters put in, the model's own weights frozen
     model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
     model = apply_unit_options(model, config.units)  # --activation-checkpointing, --compile: per unit, before any wrap
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
@@ -314,15 +336,18 @@ def _resume(s: Session) -> None:
     if s.checkpointer is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     trainers = s.strategy.trainers
+    # a rank whose holdings are the run's state reads only its rows of the checkpoint, itself (held_state);
+    # any other gets the whole state from the trainers' rank 0
+    held = s.strategy.held_state if s.strategy.held_state is not None and s.strategy.held_state.by_rows else None
     found: tuple[dict[str, Any] | None, str | None, str | None] = (None, None, None)  # state, its file, error
     if trainers.is_main:
         # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
         # the model's own state_dict says which tensors a checkpoint of it holds
         choice = s.checkpointer.choose(file_signature(signature(s.strategy.module.state_dict()),
-                                                      s.strategy.amp.precision))
+                                                      s.strategy.amp.precision), lazy=held is not None)
         warn_choice(choice, s.log.warning, "--resume: ")
         if choice.good is not None:
-            found = (choice.good.state, str(choice.good.path), None)
+            found = (choice.good.state if held is None else {}, str(choice.good.path), None)
         elif choice.rejected:
             found = (None, None, f"--resume: {choice.no_good_message(s.checkpointer.directory)}")
     # every trainer raises the same error, rather than the others waiting for rank 0's end
@@ -332,6 +357,9 @@ def _resume(s: Session) -> None:
     if state is None:
         s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
         return
+    checkpoint = open_verified(path) if held is not None else None  # (verified by rank 0: mapped, not read)
+    if checkpoint is not None:
+        state = checkpoint.run
     saved = state["config"]
     current = s.config.flat()
     defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
@@ -342,7 +370,10 @@ def _resume(s: Session) -> None:
     note = resume_note(saved, s.strategy.amp.precision)
     if note and trainers.is_main:
         s.log.info(note)
-    s.strategy.load_state_dict(state)
+    if checkpoint is not None:
+        held.load(checkpoint)
+    else:
+        s.strategy.load_state_dict(state)
     s.strategy.amp.load_state_dict(state)
     s.start_step = int(state["step"])
     s.weights = f"weights from the checkpoint of step {s.start_step}"
@@ -352,7 +383,9 @@ def _resume(s: Session) -> None:
     else:
         s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
                       "random streams restart from the seed (the data order is unaffected)")
-    s.log.info(f"resumed from step {s.start_step} ({path})")
+    read = f"; rank 0 read {held.read[0] / 2**20:.1f} of the checkpoint's {held.read[1] / 2**20:.1f} MiB of tensors " \
+        "(the rows it holds)" if checkpoint is not None and held.read[0] < held.read[1] else ""
+    s.log.info(f"resumed from step {s.start_step} ({path}){read}")
     if s.start_step >= s.total_steps and trainers.is_main:
         s.log.warning(_nothing_left_message(s))
 

@@ -36,19 +36,35 @@ from polytrain.devices import memory_limit
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
+from polytrain.devices.soft import operator_errors
 from polytrain.errors import DivergedError, RunStopped
+from polytrain.models.lora import export as lora_export, lora_of
 from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, session
+from polytrain.train.background import CheckpointWrites
+from polytrain.train.snapshot import snapshot_due, snapshots_of
 from polytrain.train.files import atomic_save
+from polytrain.train.evaluation import EvalBatchSize, saved_first
+from polytrain.devices.memory_limit import parse_size
+from polytrain.weights.export import is_directory_target
+from polytrain.weights.save import save_model
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
-from polytrain.train.metrics import DivergenceGuard, IntervalMeter, first_divergence
+from polytrain.train.metrics import RATE_WINDOW, DivergenceGuard, IntervalMeter, StepMeter, first_divergence
 from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0
 from polytrain.train.straggler import StragglerInjector
 from polytrain.phases import phase
 from polytrain.train.profile import StepProfiler
+from polytrain.train.startup import seconds_since_mark
+
+_NOTHING = contextlib.nullcontext()
+
+
+#: a first step this slow is said when it ends (a long one: a large model, --compile, activation checkpointing),
+#: rather than nothing until the first log point
+_SLOW_FIRST_STEP_S = 5.0
 
 
 class Trainer:
@@ -73,6 +89,11 @@ class Trainer:
         s = self.session  # --profile A-B: a trace and a summary of those steps on every trainer rank
         self.profiler = StepProfiler(config, self.topology, s.start_step, s.total_steps) \
             if config.profile.profile else None
+        self.eval_batch = EvalBatchSize(config, s.plan.global_batch, s.slice.count,  # under --memory-limit: fits
+                                        len(s.data.test) if s.data.test is not None else 0)
+        self.writes = CheckpointWrites(config.checkpoint.checkpoint_background)  # train/background.py
+        self.snapshots = snapshots_of(config)  # --snapshot-every: in memory, in the background (train/snapshot.py)
+        self.snapshot_writes = CheckpointWrites(self.snapshots is not None, "snapshot")  # (none: no collective)
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
@@ -94,6 +115,8 @@ class Trainer:
             run_log.end(summary)
             return summary
         finally:
+            self.writes.wait()  # a checkpoint in flight is whole before the process goes on or ends
+            self.snapshot_writes.wait()
             run_log.close()
             if self.session.stream is not None:  # its reading thread
                 self.session.stream.close()
@@ -116,58 +139,88 @@ class Trainer:
         else:
             batches = iter(SlicedBatches(s.data.train, s.plan, s.step_slices, strategy.topology.device, s.start_step,
                                          cfg.data.data_workers))
-        meter, totals = IntervalMeter(), IntervalMeter()
+        meter = self.meter = StepMeter(window=max(cfg.log.log_every, RATE_WINDOW))
         ids = self.ids = example_ids(s, self.topology)  # (self.ids: --on-failure continue writes what it noted)
-        self.guard = DivergenceGuard(self.topology.device)
+        guard = self.guard = DivergenceGuard(self.topology.device)
         self._loop_started = time.perf_counter()
         last_eval: tuple[float, float | None] | None = None
         last_interval_loss: float | None = None
         step = s.start_step
         if self.topology.is_main and not self.stop.begin():  # the launcher, asked to stop, is ending every worker
             raise RunStopped("stopped before training began", signal_name="", signum=0, resumable=True)
-        while step < s.total_steps:
+        self.startup_s = seconds_since_mark()  # the command (or fit()) to the first step
+        # A step's own work (the stop check, the NaN guard, the meters) is a few calls and list appends and no
+        # tensor op; the contexts that label, log or count the step are entered only while they are active (a
+        # step of a tiny model takes a millisecond: every call shows). The reads are at log points.
+        profiler, devices, memory, straggler, kill = self.profiler, s.devices, self.memory, self.straggler, self.kill
+        log_every, total = cfg.log.log_every, s.total_steps
+        errors = operator_errors()
+        while step < total:
             if self._stop_after(step):
-                return self._stopped(step, totals, last_interval_loss, last_eval)
+                return self._stopped(step, last_interval_loss, last_eval)
             lr = s.lr_schedule(step)
             tick = time.perf_counter()
-            with self.profiler.step(step + 1) if self.profiler is not None else contextlib.nullcontext():
-                with phase("data"):
-                    batch = next(batches)
-                with s.devices.step_context(step), self.memory.step():
+            if profiler is None and devices.plain and memory.done:
+                batch = next(batches)
+                with errors:
                     result = strategy.train_step(batch, lr)
-                    with s.devices.phase("loss"):
-                        self.guard.observe(result.loss, step + 1)
+                guard.observe(result.loss, step + 1)
+            else:
+                batch, result = self._watched_step(batches, step, lr)
             ids.observe(batch)
             done = step + 1
             elapsed = time.perf_counter() - tick
-            if self.profiler is not None:
-                self.profiler.measured(done, elapsed)
+            if profiler is not None:
+                profiler.measured(done, elapsed)
             waited = result.wait_s
-            elapsed += self.straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
-            meter.add(result.examples, elapsed, waited, result.loss)
-            totals.add(result.examples, elapsed, waited, result.loss)
+            if straggler.enabled:
+                elapsed += straggler.after_step(elapsed - waited)  # --straggler: this rank made slower
+            meter.add(result.examples, elapsed, waited)
             run_log.advance()
+            if step == s.start_step and elapsed >= _SLOW_FIRST_STEP_S and 1 < cfg.log.log_every \
+                    and done < s.total_steps:
+                run_log.info(f"first step done in {elapsed:.1f} s; the next line at step "
+                             f"{min(s.total_steps, (done // cfg.log.log_every + 1) * cfg.log.log_every)} "
+                             f"(--log-every {cfg.log.log_every})")
             step = done
-            self.kill.after_step(done)
-            if done % cfg.log.log_every == 0 or done == s.total_steps:
-                record = self._step_record(done, lr, meter)
+            kill.after_step(done)
+            if done % log_every == 0 or done == total:
+                record = self._step_record(done, lr, meter.take_interval())
                 run_log.step(record)
                 ids.flush()
                 last_interval_loss = record["loss"]
-                meter = IntervalMeter()
             if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
                 run_log.histograms(strategy.module, done)
             if s.data.test is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 \
                     and done != s.total_steps:
                 last_eval = self._evaluate(run_log, done)
             if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
-                self._checkpoint(done)
-        if s.data.test is not None:
-            last_eval = self._evaluate(run_log, step)
+                self._checkpoint(done, periodic=True)
+            elif self.snapshots is not None and snapshot_due(cfg, done, s.total_steps):
+                self._checkpoint(done, periodic=True, snapshot=True)
+        saved = []  # the result first (train/evaluation.py): an evaluation that fails loses nothing
         if s.checkpointer:
-            self._checkpoint(step)
-        self._save_model()
-        return self._summary(step, totals, last_interval_loss, last_eval)
+            saved += self._checkpoint(step)
+        saved += self._save_model()
+        if s.data.test is not None:
+            last_eval = self._final_evaluation(run_log, step, saved)
+        return self._summary(step, last_interval_loss, last_eval)
+
+    def _watched_step(self, batches: Any, step: int, lr: float) -> tuple[Any, Any]:
+        """One step inside what watches it: the profiler (--profile), the device runtime (per-operator log,
+        soft placement) and the memory meter (the first steps' activations); (batch, result)."""
+        s, profiler = self.session, self.profiler
+        with profiler.step(step + 1) if profiler is not None else _NOTHING:
+            with phase("data"):
+                batch = next(batches)
+            with s.devices.step_context(step), self.memory.step():
+                result = self.strategy.train_step(batch, lr)
+                if s.devices.recording:  # a logged step's operators show the NaN check's, labelled "loss"
+                    with s.devices.phase("loss"):
+                        self.guard.observe(result.loss, step + 1, now=True)
+                else:
+                    self.guard.observe(result.loss, step + 1)
+        return batch, result
 
     def _stop_after(self, done: int) -> bool:
         """Whether to stop now, ``done`` steps done: a stop was requested and the trainer ranks agreed on this
@@ -182,7 +235,7 @@ class Trainer:
         (sync's all-reduce, a pipeline step, an averaging step) or a log point's."""
         return self.strategy.layout.meets_at(step) or step % self.config.log.log_every == 0
 
-    def _stopped(self, step: int, totals: IntervalMeter, train_loss: float | None,
+    def _stopped(self, step: int, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         """End the run at ``step`` after a stop request: a checkpoint there (if the run has a directory), no
         evaluation, no saved model; the summary's ``stopped`` says where it can resume."""
@@ -196,7 +249,7 @@ class Trainer:
             s.log.warning(f"{name}: stopped after step {step} without --checkpoint-dir: the "
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
-        summary = self._summary(step, totals, train_loss, last_eval)
+        summary = self._summary(step, train_loss, last_eval)
         summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
                               **self.stopping.record()}
         return summary
@@ -229,13 +282,16 @@ class Trainer:
         s = self.session
         # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers
         per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
-                                                    meter.mean_loss, self.guard.first_bad(),
+                                                    self.guard.take_mean(), self.guard.first_bad(),
                                                     {**self.strategy.take_metrics(),
                                                      **self.straggler.take_metrics()}))
         self._stop_if_diverged([bad for _, _, _, bad, _ in per_rank])
         losses = [loss for _, _, loss, _, _ in per_rank if loss is not None]  # the ranks that hold the loss
         keys = sorted({key for *_, extra in per_rank for key in extra})
         loss = sum(losses) / len(losses) if losses else None
+        # the latest steps after the warm-up (the interval's while warming up), each step's own seconds
+        rate = self.meter.window_steps_per_sec() or meter.steps_per_sec()
+        left = self.meter.seconds_left(s.total_steps - step, self._loop_started)
         return {
             "step": step,
             "epoch": round(s.plan.epochs_done(step), 4),
@@ -243,13 +299,14 @@ class Trainer:
             "loss": loss,
             **(s.task.metrics(loss, None) if loss is not None else {}),
             "lr": lr,
-            "examples_per_sec": round(meter.steps_per_sec() * s.plan.global_batch, 2),
-            "sec_per_batch": round(meter.sec_per_batch, 6),
+            "examples_per_sec": round(rate * s.plan.global_batch, 2),
+            "sec_per_batch": round(1 / rate if rate > 0 else 0.0, 6),
             "rank_examples_per_sec": [rate for rate, *_ in per_rank],
             "rank_batch": [round(examples, 2) for _, examples, *_ in per_rank],
             **{f"rank_{key}": [extra.get(key) for *_, extra in per_rank] for key in keys},
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
+            "eta_s": None if left is None else round(left, 1),  # the wall seconds the steps left should take
         }
 
     @torch.no_grad()
@@ -259,7 +316,9 @@ class Trainer:
         was_training = s.model.training
         s.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
-        size = self.config.train.eval_batch_size
+        size = self.eval_batch.size or self.config.train.eval_batch_size or self.eval_batch.micro
+        with memory_limit.evaluating(size):
+            size = self.eval_batch.decide(self._probe_evaluation, self.memory.apart, topo.all_gather_object)
         with memory_limit.evaluating(size):
             for x, y in eval_batches(s.data.test, size, s.slice, topo.device):
                 with s.devices.context():
@@ -273,39 +332,104 @@ class Trainer:
         run_log.evaluation(step, *result, s.task.metrics(*result))
         return result
 
-    def _checkpoint(self, step: int) -> None:
-        self._check_finite()
-        self.timed.reset()
+    def _probe_evaluation(self, count: int) -> None:
+        """One evaluation batch of ``count`` examples, its result dropped (sizing the batches: evaluation.py)."""
         s = self.session
-        path = s.save_checkpoint(step)  # every rank (None: not written, warned: --on-checkpoint-error warn)
-        if self.topology.is_main and path is not None:
-            s.log.info(f"checkpoint: {path}")
+        for x, y in eval_batches(s.data.test, count, s.slice, self.topology.device):
+            with s.devices.context():
+                self.strategy.eval_step(x, y)
+            return
 
-    def _save_model(self) -> None:
+    def _final_evaluation(self, run_log: RunLog, step: int, saved: list[str]) -> tuple[float, float | None]:
+        """The evaluation after the last step, once the result is written: its error says where that is."""
+        saved = self.topology.broadcast_object(saved)  # (what the trainers' rank 0 wrote, for any rank's error)
+        try:
+            return self._evaluate(run_log, step)
+        except Exception as exc:
+            error = saved_first(exc, step, saved)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _checkpoint(self, step: int, periodic: bool = False, snapshot: bool = False) -> list[str]:
+        """Write step ``step``'s checkpoint (every trainer rank), after the one in flight; a ``periodic`` one in
+        the background with --checkpoint-background (train/background.py); a ``snapshot`` in memory, in the
+        background (train/snapshot.py). What was written, on the trainers' rank 0 (a background write: once it
+        is settled, at the next checkpoint)."""
+        self._check_finite()
+        s, started = self.session, time.perf_counter()
+        writes = self.snapshot_writes if snapshot else self.writes
+        if not snapshot:
+            self.timed.reset()
+        if not periodic:  # the last: the snapshot in flight settled too (a sharded one's commit is collective)
+            self.snapshot_writes.settle(self.topology)
+        written = [self._settled(writes.settle(self.topology), snapshot)]  # the previous one, if still in flight
+        s.save_checkpoint(step, writes, background=periodic, checkpointer=self.snapshots if snapshot else None)
+        if not (periodic and writes.background):
+            written.append(self._settled(writes.settle(self.topology)))
+        if periodic:
+            writes.stalls.append(time.perf_counter() - started)
+        path = written[-1] if len(written) == 2 else None  # (this checkpoint's, written in the foreground)
+        return [f"checkpoint {path}"] if path is not None else []
+
+    def _settled(self, path: Any, snapshot: bool = False) -> Any:
+        """A checkpoint written (None: none, or warned: --on-checkpoint-error warn; or not the trainers' rank 0)."""
+        if self.topology.is_main and path is not None and not snapshot:
+            self.session.log.info(f"checkpoint: {path}")
+        return path
+
+    def _save_model(self) -> list[str]:
         path = self.config.train.save_model
         if not path:
-            return
+            return []
         self._check_finite()
-        state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
-        if self.topology.is_main:
-            # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
-            atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
+        adapters = lora_of(self.strategy.module)
+        if adapters is not None:  # --lora: the adapters in PEFT's format (--merge-lora: and the merged model)
+            state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
+            if not self.topology.is_main:
+                return []
+            lora_export(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), adapters, path,
+                        self.config.lora.merge_lora)
+            self.session.log.info(f"LoRA adapters saved to {path} (PEFT's format)")
+            return [f"--save-model {path}"]
+        if is_directory_target(path) or path.endswith(".safetensors"):  # one tensor at a time, never the whole
+            save_model(self.strategy, path, parse_size(self.config.train.save_shard_size))
+            if not self.topology.is_main:
+                return []
             self.session.log.info(f"model saved to {path}")
+            return [f"--save-model {path}"]
+        state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
+        if not self.topology.is_main:
+            return []
+        # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
+        atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
+        self.session.log.info(f"model saved to {path}")
+        return [f"--save-model {path}"]
 
-    def _summary(self, step: int, totals: IntervalMeter, train_loss: float | None,
+    def _summary(self, step: int, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         s = self.session
         eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
         eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
         strategy_numbers = self.strategy.summary_metrics()  # collective over the trainers
+        meter, batch = self.meter, s.plan.global_batch
+        # the steady rate: the steps after the warm-up (every step's in a run no longer than it), each step's own
+        # seconds (not the log points', evaluations' and checkpoints' work between steps)
+        steady = meter.steady_steps_per_sec() or 0.0
+        warmup = meter.warmup_steps_per_sec()
+        busy = meter.steady_busy_examples_per_sec()
         return {
             "steps": step,
             "train_loss": train_loss,
             "eval_loss": eval_loss,
             "eval_accuracy": eval_accuracy,
             **eval_extra,
-            "examples_per_sec": round(totals.steps_per_sec() * s.plan.global_batch, 2),
-            "rank_examples_per_sec": self.topology.all_gather_object(round(totals.busy_examples_per_sec(), 2)),
+            "examples_per_sec": round(steady * batch, 2),
+            "warmup_steps": meter.warmup_steps,
+            "warmup_s": round(meter.warmup_s, 4),
+            "warmup_examples_per_sec": None if warmup is None else round(warmup * batch, 2),
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
+            "rank_examples_per_sec": self.topology.all_gather_object(round(busy, 2)),
             "strategy": self.config.train.strategy,
             "workers": self.topology.world_size,
             "global_batch": s.plan.global_batch,
@@ -313,6 +437,8 @@ class Trainer:
             **strategy_numbers,
             **self.straggler.summary(self.topology),
             **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
+            **self.writes.summary(),
+            **self.snapshot_writes.summary(),
         }
 
 

@@ -196,7 +196,11 @@ def describe_unit_options(options: UnitConfig, model: nn.Module) -> list[str]:
                      f"{len(found)} units: {', '.join(chosen)}")
     if options.compile:
         parts.append(f"torch.compile on each of {len(units(model))} units")
-    return [f"units: {'; '.join(parts)}"] if parts else []
+    lines = [f"units: {'; '.join(parts)}"] if parts else []
+    if options.compile:  # else minutes without a word: the first step compiles before it trains
+        lines.append("compiling: the first step compiles each unit (a minute or more on a CPU), the next ones run "
+                     "compiled")
+    return lines
 
 
 def _names(found: list[tuple[str, nn.Module]]) -> str:

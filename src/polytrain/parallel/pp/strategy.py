@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
@@ -48,10 +48,13 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
+from polytrain.models.parts import retie, unit_groups
+from polytrain.parallel.fsdp import shard_group
 from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
+from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
+from polytrain.parallel.dtensor import full, like, local, rebuild_optimizer, squared_norm
 from polytrain.parallel.pp import plan, split, traced
 from polytrain.parallel.pp.transport import check_transport
 from polytrain.parallel.pp.traced_run import TracedRun, chain_kind, must_trace
@@ -62,16 +65,20 @@ from polytrain.tasks import check_takes_labels
 from polytrain.parallel.tp import axis as tp_axis
 
 
-#: what --strategy pipeline is told of hybrid's mesh settings (strategies/settings.py)
-_MESH = ("{given}: the mesh of --strategy hybrid; --strategy {strategy} has one replica of --stages stages "
-         "(drop {them}, or use hybrid)")
+#: what --strategy pipeline is told of hybrid's deprecated mesh settings (strategies/settings.py)
+_MESH = ("{given}: hybrid's deprecated name of --dp-replicate, which --strategy {strategy} does not read; use "
+         "--dp-replicate (or --strategy hybrid)")
+
+
+#: the pipeline's stages where neither --pp nor --stages says
+DEFAULT_STAGES = 2
 
 
 @register_section("pipeline", "strategies pipeline and hybrid", order=74)
 @dataclass
 class PipelineConfig:
-    stages: int = option(2, "pipeline: stages, one process each (--workers is not read: the processes are "
-                            "the stages); hybrid: the default of --pp", minimum=2, metavar="P")
+    stages: int | None = option(None, "pipeline, hybrid: deprecated, the same as --pp P (one flag per degree)",
+                                minimum=2, metavar="P")
     microbatches: int = option(4, "pipeline, hybrid: micro-batches per replica's batch (must divide it)",
                                minimum=1, metavar="M")
     schedule: str = option("1f1b", "pipeline, hybrid: the torch.distributed.pipelining schedule "
@@ -79,13 +86,10 @@ class PipelineConfig:
     split_at: str = option("auto", "pipeline, hybrid: units that start stages 1.. (blocks.2,blocks.4), or "
                                    "auto (balanced by each unit's measured forward+backward time)",
                            metavar="UNITS|auto")
-    dp: int | None = option(None, "hybrid: data-parallel replicas (default: --workers / --pp)", minimum=1,
-                            strategies=("hybrid",), elsewhere=_MESH)
-    pp: int | None = option(None, "hybrid: pipeline stages per replica (default: --stages)", minimum=2,
-                            strategies=("hybrid",), elsewhere=_MESH)
-    shard_dp: bool = option(False, "hybrid: shard each stage's parameters, gradients and optimizer state over "
-                                   "its --dp replicas (FSDP2 fully_shard on the dp axis of the mesh), each holding "
-                                   "1/D, instead of replicating them and all-reducing the gradients",
+    dp: int | None = option(None, "hybrid: deprecated, the same as --dp-replicate D (--dp-shard D with "
+                                  "--shard-dp)", minimum=1, strategies=("hybrid",), elsewhere=_MESH)
+    shard_dp: bool = option(False, "hybrid: deprecated: --dp-shard D shards each stage's parameters, gradients "
+                                   "and optimizer state over D ranks (what --dp D --shard-dp did)",
                             strategies=("hybrid",))
 
 
@@ -95,7 +99,12 @@ class Pipeline(TracedRun, Strategy):
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
     builds_part = True  # a model from any factory comes on the meta device (models/replay.py: _replay)
-    also_reads = ("tp",)  # --tp, --tp-plan: a tp axis of T ranks per stage (polytrain.parallel.tp.axis)
+    also_reads = ("tp",)  # --tp-plan: the plan of the tp axis of T ranks per stage (polytrain.parallel.tp.axis)
+    exchange = "sync"
+    meeting = "gradients averaged every step"
+    fills = None  # --workers is not read: the processes are the stages (times the other degrees)
+    degrees = {"pp": DEFAULT_STAGES}  # where neither --pp nor --stages says
+    cuts = ("dp_shard", "pp", "tp")
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -105,16 +114,8 @@ class Pipeline(TracedRun, Strategy):
     # -- layout and checks before launch ------------------------------------------------------------
 
     @classmethod
-    def _shape(cls, workers: int | None, options: PipelineConfig | None) -> tuple[int, int]:
-        """(replicas D, stages P)."""
-        return 1, (options if options is not None else PipelineConfig()).stages
-
-    @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        dp, pp = cls._shape(workers, options)
-        tp = tp_axis.axis_size(options)  # innermost: a stage's tp ranks are neighbours
-        axes = (("dp", dp), ("pp", pp)) + ((("tp", tp),) if tp > 1 else ())
-        return Layout(cls.name, ("trainer",) * (dp * pp * tp), axes, dp)
+        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -148,6 +149,8 @@ class Pipeline(TracedRun, Strategy):
             stages, starts = pp * plan.schedule_info(opts.schedule).chunks, split.parse_split(opts.split_at)
             if chain_kind(model) and not must_trace(model, starts, config.train.loss):
                 check_split(model, stages, opts.split_at)
+            elif layout.axis("tp") > 1 and must_trace(model, starts, config.train.loss):
+                raise ConfigError(tp_axis.TRACED)  # (any other model is known to be a chain or not at its first step)
             elif starts is not None:  # cut by the tracer
                 traced.check_starts(model, starts, stages)
 
@@ -170,11 +173,11 @@ class Pipeline(TracedRun, Strategy):
         self.info = plan.schedule_info(opts.schedule)
         self.ranks = self.topology.axis_size("pp")
         self.me = self.topology.axis_rank("pp")
-        self.replicas = self.topology.axis_size("dp")
+        self.replicas = self.topology.axis_size("dp")  # the ranks of one stage that take slices: dp_replicate x dp_shard
         self.tp = self.topology.axis_size("tp")  # each stage's layers split over tp ranks (tensor parallel)
         self.num_stages = self.ranks * self.info.chunks
-        #: --shard-dp: each stage fully_shard-ed over the dp replicas (its tensors DTensors holding 1/D)
-        self.sharded = bool(getattr(opts, "shard_dp", False)) and self.replicas > 1
+        #: --dp-shard: each stage fully_shard-ed over dp_shard (HSDP with dp_replicate), its tensors DTensors
+        self.sharded = self.topology.axis_size("dp_shard") > 1
         self._stage_bytes = 0
         self.mine = plan.rank_stages(self.me, self.ranks, self.info.chunks, self.info.placement)
         self.split: split.Split | None = None
@@ -223,21 +226,20 @@ class Pipeline(TracedRun, Strategy):
         from torch.distributed.fsdp import fully_shard
 
         assert self.optimizer is not None
-        held = self.optimizer.state_dict()
-        mesh = self.topology.mesh["dp"]
+        mesh = self.topology.submesh("dp_replicate", "dp_shard")  # HSDP where there are replicas too
+        before = {s: dict(self.modules[s].named_parameters(remove_duplicate=False)) for s in self.mine}
         for stage in self.mine:
             module = self.modules[stage]
-            for unit in module:
-                if any(p.requires_grad for p in unit.parameters()):
-                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            parts, ignored = self._stage_parts(stage) if self.is_traced else \
+                (list(zip(self.split.stage_units(stage), module)), set())
+            for group in unit_groups(parts):  # units sharing a tensor (tied weights): one shard group
+                shard_group([unit for _, unit in group], mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+        if self.is_traced:  # the traced stages' modules are not the model's: its names take their shards
+            self._adopt_shards(before)
         self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
         self._stage_bytes = sum(p.numel() * p.element_size() for p in self.owned)
-        self.optimizer = self._make_optimizer(self.model.parameters())
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict({**held, "state": {
-            i: {key: _like(value, params[int(i)]) if torch.is_tensor(value) and key != "step" else value
-                for key, value in per.items()} for i, per in held["state"].items()}})
+        self.optimizer = rebuild_optimizer(self.model, self.optimizer, self._make_optimizer)
 
     def _ensure_stages(self, sample: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """At first use: the split chosen (``auto``) or the given one checked, on rank 0, and broadcast; then
@@ -299,12 +301,18 @@ class Pipeline(TracedRun, Strategy):
             try:
                 chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
                 return chosen if self.split is None else self.split
-            except ConfigError:
+            except ConfigError as exc:
                 if traced_error is not None:
                     raise traced_error from None
-                if chain_kind(self.model) or self._maker is not None:
-                    raise
-        return self._choose_traced(sample, labels)
+                if (chain_kind(self.model) or self._maker is not None) and self.split is not None:
+                    raise  # (cut by --split-at before the first step: a chain it must be)
+                traced_error = exc if chain_kind(self.model) or self._maker is not None else None
+        try:  # not a chain of units (nanoGPT's forward adds position embeddings): the tracer cuts it
+            return self._choose_traced(sample, labels)
+        except ConfigError:
+            if traced_error is not None:  # built as a chain of units (init_unit): its own reason first
+                raise traced_error from None
+            raise
 
     def _release_others(self) -> None:
         """Keep only this rank's stages resident: the other units' tensors are emptied in place (their
@@ -370,7 +378,7 @@ class Pipeline(TracedRun, Strategy):
         return StepResult(loss, len(batch))
 
     def _average_over_replicas(self) -> None:
-        grads = [_local(p.grad) for p in self.owned if p.grad is not None]  # (tp: each rank's part)
+        grads = [local(p.grad) for p in self.owned if p.grad is not None]  # (tp: each rank's part)
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.topology.axis_group("dp"))
         flat /= self.replicas
@@ -381,21 +389,30 @@ class Pipeline(TracedRun, Strategy):
     def _clip(self, max_norm: float) -> None:
         """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp (and over
         dp, sharded: each replica holds 1/D of its stages' gradients)."""
+        more = (self.topology.axis_group("pp"),) if self.ranks > 1 else ()
+        if self.tp > 1 and self.sharded:  # over two meshes: each gradient's pieces summed over the axes it is cut
+            squared = squared_norm([p.grad for p in self.owned if p.grad is not None], self.topology.device)
+            for group in more:
+                dist.all_reduce(squared, group=group)
+            coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
+            for p in self.owned:
+                if p.grad is not None:
+                    local(p.grad).mul_(coef)
+            return None
         if self.tp > 1:  # the split layers' squared norms summed over tp, the whole ones counted once
-            more = (self.topology.axis_group("pp"),) if self.ranks > 1 else ()
             return tp_axis.clip_grads(self.owned, max_norm, self.topology.axis_group("tp"), more)
         skip = self._counted_once()  # a tied tensor's gradient counted on one of its ranks
-        grads = [_local(p.grad) for p in self.owned if p.grad is not None and id(p) not in skip]
+        grads = [local(p.grad) for p in self.owned if p.grad is not None and id(p) not in skip]
         norms = [torch.linalg.vector_norm(g, 2) for g in grads]
         squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
         if self.sharded:
-            dist.all_reduce(squared, group=self.topology.axis_group("dp"))
+            dist.all_reduce(squared, group=self.topology.axis_group("dp_shard"))
         if self.ranks > 1:
             dist.all_reduce(squared, group=self.topology.axis_group("pp"))
         coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
         for p in self.owned:
             if p.grad is not None:
-                _local(p.grad).mul_(coef)
+                local(p.grad).mul_(coef)
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -407,6 +424,9 @@ class Pipeline(TracedRun, Strategy):
         with self.amp.autocast():
             if self.is_traced:
                 out = self._traced_eval(inputs, targets)
+                if self.sharded:  # gathered for the forward: back to this rank's shards
+                    for module in self.modules.values():
+                        _reshard(module)
                 return None if out is None else torch.stack(
                     [v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
@@ -427,7 +447,7 @@ class Pipeline(TracedRun, Strategy):
         return {**super().take_metrics(), "pp_busy_s": round(busy, 4), "pp_idle_s": round(wall - busy, 4)}
 
     def summary_metrics(self) -> dict[str, Any]:
-        resident = sum(_local(t).numel() for t in self.model.parameters() if not t.is_meta) \
+        resident = sum(local(t).numel() for t in self.model.parameters() if not t.is_meta) \
             if self.model is not None else 0
         per_rank = self.trainers.all_gather_object((self._busy_total, self._wall_total, resident))
         opts = self.options
@@ -460,13 +480,13 @@ class Pipeline(TracedRun, Strategy):
                 return self.model.state_dict()
             return dict(self._loaded["model"]) if self._loaded is not None else self._initial_state()
         whole = self.model.state_dict()
-        mine = {k: _full(v).detach().cpu() for k, v in whole.items() if self._mine(k)}  # (sharded: collective)
+        mine = {k: full(v).detach().cpu() for k, v in whole.items() if self._mine(k)}  # (sharded: collective)
         parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
         if not self.trainers.is_main:
             return None
         for part in parts:
             whole.update(part)
-        return self._retie(whole)
+        return retie(whole, self.model)
 
     def _optimizer_state(self) -> dict[str, Any]:
         """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
@@ -477,7 +497,7 @@ class Pipeline(TracedRun, Strategy):
         state = self.optimizer.state_dict()
         if not self.sharded and self.tp == 1:  # (tp: each split tensor's state gathered whole)
             return state
-        whole = {i: {k: _full(v).cpu() if isinstance(v, DTensor) else v for k, v in per.items()}
+        whole = {i: {k: full(v).cpu() if isinstance(v, DTensor) else v for k, v in per.items()}
                  for i, per in state["state"].items()}  # gathered over dp, in the same order on every replica
         return {**state, "state": whole}
 
@@ -513,12 +533,12 @@ class Pipeline(TracedRun, Strategy):
             missing, unexpected = sorted(expected - set(model)), sorted(set(model) - expected)
             raise RuntimeError(f"loading the model's state: missing keys {missing}, unexpected keys {unexpected}")
         live = self.model.state_dict()
-        self.model.load_state_dict({k: _like(v, live[k]) for k, v in model.items() if self._mine(k)}, strict=False)
+        self.model.load_state_dict({k: like(v, live[k]) for k, v in model.items() if self._mine(k)}, strict=False)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         owned = {id(p) for p in self.owned}
         mine = {i for i, p in enumerate(params) if id(p) in owned}
         optimizer = state["optimizer"]
-        own = {k: {key: _like(value, params[int(k)]) if torch.is_tensor(value) and key != "step" else value
+        own = {k: {key: like(value, params[int(k)]) if torch.is_tensor(value) and key != "step" else value
                    for key, value in per.items()}
                for k, per in optimizer["state"].items() if int(k) in mine}
         self.optimizer.load_state_dict({**optimizer, "state": own})
@@ -534,47 +554,15 @@ class Pipeline(TracedRun, Strategy):
 @register_strategy
 class Hybrid(Pipeline):
     name = "hybrid"
-    summary = "data parallel x pipeline: --dp D replicas of a --pp P stage pipeline on a 2-D mesh"
-
-    @classmethod
-    def _shape(cls, workers: int | None, options: PipelineConfig | None) -> tuple[int, int]:
-        """``--dp`` x ``--pp``; without ``--workers``, the product of the two; a ``--workers`` that disagrees
-        with them is an error."""
-        opts = options if options is not None else PipelineConfig()
-        pp, tp = _hybrid_pp(opts), tp_axis.axis_size(opts)  # (--tp: T ranks per stage)
-        if workers is None:
-            workers = (opts.dp or DEFAULT_WORKERS // pp or 1) * pp * tp
-        dp = opts.dp if opts.dp is not None else max(1, workers // (pp * tp))
-        if dp * pp * tp != workers:
-            x_tp = f" x --tp {tp}" if tp > 1 else ""
-            raise ConfigError(f"--strategy hybrid: --dp {dp} x --pp {pp}{x_tp} = {dp * pp * tp} processes, but "
-                              f"--workers is {workers}; pass --workers {dp * pp * tp}")
-        return dp, pp
+    summary = "data parallel x pipeline: --dp-replicate D replicas of a --pp P stage pipeline on a 2-D mesh"
+    fills = "dp_replicate"  # what --workers leaves besides the stages (and --tp, --dp-shard)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
-        if config.pipeline.shard_dp and layout.axis("dp") < 2:
+        if config.pipeline.shard_dp and layout.axis("dp_shard") < 2:
             raise ConfigError("--shard-dp with --dp 1 shards nothing (the one replica holds its stages whole "
                               "anyway); give --dp 2 or more, or drop --shard-dp")
         super().check(layout, config, model)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (collective over its mesh), or the tensor."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """A whole tensor ``value`` as ``live`` holds it: a DTensor's shard of it (cut here, no communication:
-    every rank has the whole value), else ``value`` itself."""
-    if not isinstance(live, DTensor) or value.shape != live.shape:
-        return value
-    return distribute_tensor(value.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
 
 
 def _reshard(module: nn.Module) -> None:
@@ -583,10 +571,6 @@ def _reshard(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
-
-
-def _hybrid_pp(opts: PipelineConfig) -> int:
-    return opts.pp if opts.pp is not None else opts.stages
 
 
 def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:

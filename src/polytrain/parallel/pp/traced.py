@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.distributed.pipelining._IR import annotate_split_points
 from torch.distributed.pipelining.stage import _PipelineStage
 from torch.utils._pytree import tree_map
 
@@ -50,7 +51,7 @@ def layers(model: nn.Module) -> tuple[str, list[str]]:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
             best = (name, [f"{name}.{i}" if name else str(i) for i in range(len(module))])
-    children = [name for name, _ in split.units(model)]
+    children = [name for name, _ in split.units(model, nested=False)]
     return ("its units", children) if len(children) > len(best[1]) else best
 
 
@@ -195,14 +196,19 @@ def retarget(pipe: Any, device: torch.device) -> None:
     def fix(value: Any) -> Any:
         return torch.device(device) if isinstance(value, torch.device) and value.type == "meta" else value
 
-    for stage in range(pipe.num_stages):
-        for module in pipe.get_stage_module(stage).modules():  # the stage's graph and those it calls
+    def retarget_module(root: nn.Module) -> None:
+        for module in root.modules():  # the stage's graph and those it calls
             graph = getattr(module, "graph", None)
             if isinstance(graph, torch.fx.Graph):
                 for node in graph.nodes:
                     node.args, node.kwargs = tree_map(fix, node.args), tree_map(fix, node.kwargs)
+                    if isinstance(node.target, Region):
+                        retarget_module(node.target.graph_module)
                 if isinstance(module, torch.fx.GraphModule):  # (an InterpreterModule runs its graph as it is)
                     module.recompile()
+
+    for stage in range(pipe.num_stages):
+        retarget_module(pipe.get_stage_module(stage))
 
 
 def trace(model: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], chosen: TracedSplit,
@@ -224,8 +230,8 @@ def trace(model: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], chosen
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]
     try:
-        pipe = pipeline(model, mb_args=(inputs,), mb_kwargs=kwargs,
-                        split_spec={name: SplitPoint.BEGINNING for name in chosen.starts})
+        annotate_split_points(model, {name: SplitPoint.BEGINNING for name in chosen.starts})
+        pipe = pipeline(model, mb_args=(inputs,), mb_kwargs=kwargs, split_policy=regions_as_calls)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - export's reasons are many; the first line says which
@@ -241,6 +247,43 @@ def trace(model: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], chosen
                           f"stages, not {len(chosen.starts) + 1} (a split point that the forward calls more than "
                           "once, or not at all); split at modules the forward calls once, in order")
     return pipe
+
+
+class Region:
+    """A grad-mode or autocast region of a traced forward (``torch.no_grad()``, ``torch.autocast(...,
+    enabled=False)``: a Hugging Face rotary embedding's) as a plain function of its inputs: its subgraph run
+    under the same context. torch.export captures such a region as a higher-order op on a subgraph module,
+    which the pipeline's outliner cannot carry into a stage (the stage module is left with an input that no
+    one passes: "Expected positional argument for parameter ..."); a call of this holds the subgraph itself."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, context: Callable[[], Any], what: str):
+        self.graph_module, self.context, self.__name__ = graph_module, context, what
+
+    def __call__(self, *args: Any) -> Any:
+        with self.context():
+            return self.graph_module(*args)
+
+
+def regions_as_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The traced module with each grad-mode or autocast region made a :class:`Region` call (the pipeline's
+    ``split_policy``: it runs on the traced module before the split; the split points are already marked)."""
+    hop = torch.ops.higher_order
+    grad, autocast = getattr(hop, "wrap_with_set_grad_enabled", None), getattr(hop, "wrap_with_autocast", None)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (grad, autocast) or node.target is None:
+            continue
+        if node.target is grad:
+            enabled, sub, *operands = node.args
+            context: Callable[[], Any] = lambda enabled=enabled: torch.set_grad_enabled(enabled)
+        else:
+            device_type, dtype, enabled, cache, sub, *operands = node.args
+            context = lambda d=device_type, t=dtype, e=enabled, c=cache: torch.autocast(d, t, e, c)
+        node.target = Region(getattr(gm, sub.target), context, f"region_{sub.target}")
+        node.args = tuple(operands)
+        if not sub.users:
+            gm.graph.erase_node(sub)
+    gm.recompile()
+    return gm
 
 
 def described(pipe: Any, chosen: TracedSplit, model: nn.Module) -> TracedSplit:
@@ -273,14 +316,6 @@ def adopt(module: nn.Module, model: nn.Module) -> None:
         if name in own_buffers:
             parent, _, leaf = name.rpartition(".")
             module.get_submodule(parent)._buffers[leaf] = own_buffers[name]
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The parameter names that share one tensor (two or more names each), in the model's order."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def stage_inputs(pipe_info: Any, stage: int) -> list[Any]:

@@ -17,13 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build
+from polytrain.models.parts import tied_groups, units
 from polytrain.parallel.pp import split, traced
 from polytrain.strategies.step import _model_global_units, loss_divisor
+
+
+def _runs(module: nn.Module) -> bool:
+    """Whether ``module`` of a traced stage has a forward of its own (a plain ``nn.Module`` only holds)."""
+    return type(module).forward is not nn.Module.forward
 
 
 def chain_kind(model: nn.Module) -> bool:
@@ -44,7 +51,7 @@ class TracedRun:
     _traced_info: Any = None
     _pipe: Any = None
     _owned_set: set[str] | None = None
-    _ties: list[tuple[nn.Parameter, torch.Size, bool, list[str]]] = []
+    _ties: list[tuple[torch.Size, bool, list[str]]] = []  # a tensor tied across stages: its shape, names
     _traced_batch = 0
     _replay: Any = None  # how to build any part of a model given on the meta device (polytrain.models.replay)
 
@@ -99,18 +106,22 @@ class TracedRun:
         self._pipe = self._trace(chosen, sample, labels)
         return chosen
 
+    def _on_meta(self) -> bool:
+        """Whether the model waits on the meta device to be made part by part (a factory's, or by units)."""
+        return self._replay is not None or getattr(self, "_maker", None) is not None
+
     def _trace_sample(self, sample: torch.Tensor, labels: torch.Tensor | None) -> tuple[Any, Any]:
         """The micro-batch the tracer runs: on the meta device for a model there (nothing made yet)."""
-        if self._replay is None:
+        if not self._on_meta():
             return sample, labels
         return sample.to("meta"), (labels.to("meta") if labels is not None else None)
 
     def _trace(self, chosen: traced.TracedSplit, sample: torch.Tensor, labels: torch.Tensor | None) -> Any:
         # a model on the meta device is traced as a copy (nothing to copy but shapes): the tracer leaves weak
         # references on what it traces, and the model's own Parameter objects take their contents later
-        model = copy.deepcopy(self.model) if self._replay is not None else self.model
+        model = copy.deepcopy(self.model) if self._on_meta() else self.model
         pipe = traced.trace(model, sample, self._trace_kwargs(labels), chosen, self.recipe.loss, self._spec())
-        if self._replay is not None:
+        if self._on_meta():
             traced.retarget(pipe, self.topology.device)
         return pipe
 
@@ -120,9 +131,6 @@ class TracedRun:
     def _cut_traced(self, chosen: traced.TracedSplit, sample: torch.Tensor, labels: torch.Tensor | None) -> None:
         """Every rank: the model traced and cut as ``chosen`` says; this rank keeps its stages (the model's
         own Parameter objects) and empties every other tensor of the model and of the other stages."""
-        if getattr(self, "sharded", False):
-            raise ConfigError("--shard-dp shards the stages of a model that is a chain of units; this model is "
-                              "split by the tracer: drop --shard-dp")
         sample, labels = self._trace_sample(sample, labels)
         pipe = self._pipe or self._trace(chosen, sample, labels)
         self._pipe = None
@@ -137,17 +145,22 @@ class TracedRun:
                 traced.adopt(module, self.model)
                 self.modules[stage] = module
         self._owned_set = set().union(*(names[s] for s in self.mine))
-        if self._replay is not None:  # this rank's stages made now, with single's values; nothing else
-            self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
+        if self._on_meta():  # this rank's stages made now, with single's values; nothing else
+            if self._replay is not None:
+                self._make(self._replay, lambda name: name in self._owned_set, self._owned_set)
+            else:  # made by units (init_unit): the units holding a tensor of this rank's stages
+                self._maker.make({name for name, _ in units(self.model)
+                                  if any(key.startswith(name + ".") for key in self._owned_set)})
+            for stage in self.mine:  # the buffers made are new objects (a Parameter keeps its object)
+                traced.adopt(self.modules[stage], self.model)
         keep = {id(t) for s in self.mine for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]}
         self.owned = [p for p in self.model.parameters() if id(p) in keep]
         self._ties = []
-        for group in traced.tied_groups(self.model):
+        for group in tied_groups(self.model):
             holders = sorted({s for s in range(self.num_stages) if names[s] & set(group)})
             if len(holders) > 1:
-                param = self.model.get_parameter(group[0])
                 first = self._owner(holders[0]) == self.me
-                self._ties.append((param, param.shape, first, group))
+                self._ties.append((self.model.get_parameter(group[0]).shape, first, group))
         self._empty_others(pipe, keep)
         if self._loaded is not None:  # a checkpoint loaded before the cut
             loaded, self._loaded = self._loaded, None
@@ -196,37 +209,66 @@ class TracedRun:
 
     def _sync_tied(self) -> None:
         """Each tensor tied across stages: its gradients summed over the pipeline's ranks (a rank that holds
-        no copy adds zeros), so every copy takes the same update as the one tensor of ``single``."""
+        no copy adds zeros), so every copy takes the same update as the one tensor of ``single``. Sharded
+        (``--shard-dp``), each rank sums its dp shard, the same rows on each rank of a pipeline."""
         if not self._ties:
             return
         device = self.topology.device
         grads = []
-        for param, shape, _, _ in self._ties:
-            held = param.numel() > 0
-            if held and param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad if held else torch.zeros(shape, dtype=param.dtype, device=device))
+        for shape, _, group in self._ties:
+            param = self.model.get_parameter(group[0])
+            if param.numel() > 0:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+            else:
+                grads.append(torch.zeros(self._tied_rows(shape), dtype=param.dtype, device=device))
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.topology.axis_group("pp"))
         self.traffic.all_reduce(flat.numel() * flat.element_size(), self.ranks)
-        for (param, _, _, _), grad, summed in zip(self._ties, grads, _unflatten_dense_tensors(flat, grads)):
-            if param.numel() > 0:
+        for (_, _, group), grad, summed in zip(self._ties, grads, _unflatten_dense_tensors(flat, grads)):
+            if self.model.get_parameter(group[0]).numel() > 0:
                 grad.copy_(summed)
+
+    def _tied_rows(self, shape: torch.Size) -> torch.Size:
+        """The shape of this rank's part of a tied tensor of ``shape``: all of it, or its dp shard (FSDP's
+        rows: ``torch.chunk``) under ``--shard-dp``."""
+        if not getattr(self, "sharded", False):
+            return shape
+        chunks = torch.empty(shape, device="meta").chunk(self.topology.axis_size("dp_shard"))
+        rank = self.topology.axis_rank("dp_shard")  # (FSDP's shards are over dp_shard; HSDP replicates them)
+        return chunks[rank].shape if rank < len(chunks) else torch.Size((0, *shape[1:]))
 
     def _counted_once(self) -> set[int]:
         """The ids of tied parameters whose gradient another rank counts in the norm (not this one)."""
-        return {id(param) for param, _, first, _ in self._ties if not first}
+        return {id(self.model.get_parameter(group[0])) for _, first, group in self._ties if not first}
 
-    def _retie(self, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole model's state with each tied group's names holding one tensor, as ``single``'s does."""
-        by_id: dict[int, list[str]] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(param), []).append(name)
-        for group in by_id.values():
-            for name in group[1:]:
-                if group[0] in whole and name in whole:
-                    whole[name] = whole[group[0]]
-        return whole
+    def _stage_parts(self, stage: int) -> tuple[list[tuple[str, nn.Module]], set[nn.Parameter]]:
+        """The model's units that traced stage ``stage`` runs (its modules of those names), in order, and the
+        parameters that a module it never runs holds too (the tracer leaves a tied tensor's other module on
+        a stage as a plain holder: nanoGPT's ``lm_head`` beside ``transformer.wte``), which the stage's own
+        shard group must not take a second time."""
+        module = self.modules[stage]
+        held = dict(module.named_modules())
+        parts = [(name, held[name]) for name, _ in units(self.model) if name in held and _runs(held[name])]
+        in_parts = {p for _, part in parts for p in part.parameters()}
+        holders = {p for m in held.values() if not _runs(m) for p in m.parameters(recurse=False)}
+        return parts, holders & in_parts
+
+    def _adopt_shards(self, before: dict[int, dict[str, nn.Parameter]]) -> None:
+        """After ``fully_shard`` of traced stages (``before``: each stage's parameters by name, the model's own
+        objects): every name of the model and of the stages holding one of those objects holds its sharded
+        Parameter instead, so a tied tensor keeps one object and the optimizer built over the model sees
+        the shards."""
+        new: dict[int, nn.Parameter] = {}
+        for stage, params in before.items():
+            now = dict(self.modules[stage].named_parameters(remove_duplicate=False))
+            new.update({id(old): now[name] for name, old in params.items() if now.get(name) is not old})
+        for root in [self.model, *(self.modules[s] for s in self.mine)]:
+            for module in root.modules():
+                for key, param in module._parameters.items():
+                    if param is not None and id(param) in new:
+                        module._parameters[key] = new[id(param)]
 
     # -- evaluation --------------------------------------------------------------------------------
 

@@ -16,14 +16,16 @@ from torch import nn
 
 from polytrain.errors import ConfigError
 from polytrain.parallel.tp.plan import plan_for
-from polytrain.parallel.tp.strategy import check_tp, clip_grads, like, split_layers
+from polytrain.parallel.dtensor import rebuild_optimizer
+from polytrain.parallel.tp.strategy import check_tp, clip_grads, split_layers
 
-__all__ = ["axis_size", "check_axis", "clip_grads", "split_stages"]
+__all__ = ["TRACED", "check_axis", "clip_grads", "split_stages"]
 
-
-def axis_size(options: Any) -> int:
-    """``--tp`` as pipeline and hybrid read it (1: no tp axis)."""
-    return getattr(options, "tp", None) or 1
+#: what torch cannot do: its tensor-parallel styles take nn.Linear and nn.Embedding modules, and the tracer's stages
+#: hold the model's layers as graph modules (ColwiseParallel raises NotImplementedError on them)
+TRACED = ("--tp with a model the tracer cuts into stages: torch's tensor-parallel styles (ColwiseParallel, "
+          "RowwiseParallel) split nn.Linear and nn.Embedding modules, and a traced stage holds the model's layers as "
+          "graph modules; use --tp with a model whose forward is its units in order (transformer_lm), or drop --tp")
 
 
 def check_axis(layout: Any, config: Any, model: nn.Module | None) -> None:
@@ -32,9 +34,6 @@ def check_axis(layout: Any, config: Any, model: nn.Module | None) -> None:
     tp = layout.axis("tp")
     if tp < 2:
         return
-    if getattr(config.pipeline, "shard_dp", False):
-        raise ConfigError(f"--shard-dp with --tp {tp}: sharding the split layers over dp as well is not "
-                          "supported; drop --shard-dp (the replicas then average their gradients) or --tp")
     check_tp(config, model, tp)
 
 
@@ -44,17 +43,11 @@ def split_stages(strategy: Any) -> None:
     in ``single``'s order, with the state it held (a resumed checkpoint's) cut into this rank's parts."""
     from polytrain.parallel.pp import split as pipeline_split
 
-    if getattr(strategy, "is_traced", False):
-        raise ConfigError("--tp with a model the tracer cuts into stages is not supported; use --tp with a "
-                          "model whose forward is its units in order (transformer_lm), or drop --tp")
+    if strategy.is_traced:
+        raise ConfigError(TRACED)
     plan = plan_for(strategy.model, strategy.options.tp_plan)
     parts = dict(pipeline_split.units(strategy.model))
     names = [name for stage in strategy.mine for name in strategy.split.stage_units(stage)]
-    held = strategy.optimizer.state_dict()
     split_layers([(name, parts[name]) for name in names], plan, strategy.topology.mesh["tp"])
     strategy.owned = [p for s in strategy.mine for p in strategy.modules[s].parameters()]
-    strategy.optimizer = strategy._make_optimizer(strategy.model.parameters())
-    params = [p for group in strategy.optimizer.param_groups for p in group["params"]]
-    strategy.optimizer.load_state_dict({**held, "state": {
-        i: {key: like(value, params[int(i)]) if torch.is_tensor(value) and key != "step" else value
-            for key, value in per.items()} for i, per in held["state"].items()}})
+    strategy.optimizer = rebuild_optimizer(strategy.model, strategy.optimizer, strategy._make_optimizer)

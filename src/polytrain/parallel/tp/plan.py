@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping
 from torch import nn
 
 from polytrain.errors import ConfigError
+from polytrain.models.parts import tied_groups
 
 STYLES = ("colwise", "rowwise")
 
@@ -44,13 +45,14 @@ class Rule:
     style: str
     parts: int = 1
     heads: int | str | None = None
+    gather: bool = False  # colwise: the output gathered whole on every rank (a vocabulary-split output layer)
 
     def matches(self, name: str) -> bool:
         return _regex(self.pattern).fullmatch(name) is not None
 
     def describe(self) -> str:
         more = (f", {self.parts} parts" if self.parts > 1 else "") + \
-               (f", heads={self.heads}" if self.heads is not None else "")
+               (f", heads={self.heads}" if self.heads is not None else "") + (", output gathered" if self.gather else "")
         return f"{self.pattern}: {self.style}{more}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -59,6 +61,8 @@ class Rule:
             out["parts"] = self.parts
         if self.heads is not None:
             out["heads"] = self.heads
+        if self.gather:
+            out["gather"] = True
         return out
 
 
@@ -77,16 +81,19 @@ class TensorPlan:
         rules = []
         for pattern, entry in mapping.items():
             spec = {"style": entry} if isinstance(entry, str) else dict(entry) if isinstance(entry, Mapping) else None
-            if spec is None or set(spec) - {"style", "parts", "heads"} or spec.get("style") not in STYLES:
+            if spec is None or set(spec) - {"style", "parts", "heads", "gather"} or spec.get("style") not in STYLES:
                 raise ConfigError(f"{source}: '{pattern}' = {entry!r} is not a plan entry; give \"colwise\", "
-                                  "\"rowwise\" or a table {style = \"colwise\", parts = N, heads = N}")
+                                  "\"rowwise\" or a table {style = \"colwise\", parts = N, heads = N, gather = true}")
             parts = spec.get("parts", 1)
             if not isinstance(parts, int) or parts < 1 or (parts > 1 and spec["style"] != "colwise"):
                 raise ConfigError(f"{source}: '{pattern}': parts must be a whole number >= 1, on a colwise entry")
             heads = spec.get("heads")
             if heads is not None and not isinstance(heads, (int, str)):
                 raise ConfigError(f"{source}: '{pattern}': heads must be a number or an attribute name")
-            rules.append(Rule(str(pattern), spec["style"], parts, heads))
+            gather = spec.get("gather", False)
+            if not isinstance(gather, bool) or (gather and spec["style"] != "colwise"):
+                raise ConfigError(f"{source}: '{pattern}': gather must be true or false, on a colwise entry")
+            rules.append(Rule(str(pattern), spec["style"], parts, heads, gather))
         return cls(tuple(rules), source)
 
     @classmethod
@@ -123,23 +130,42 @@ class TensorPlan:
                                   f"look like {', '.join(_examples(model))}")
         modules = dict(model.named_modules())
         for name, rule, module in found:
+            if isinstance(module, nn.Embedding) and rule.style == "rowwise" and rule.parts == 1:
+                if module.num_embeddings % tp:
+                    raise ConfigError(f"--tp {tp} does not divide the {module.num_embeddings} rows (vocabulary) of "
+                                      f"{name}; use a --tp that divides {module.num_embeddings}")
+                continue
             if not isinstance(module, nn.Linear):
                 raise ConfigError(f"{self.source}: {name} is a {type(module).__name__}; tensor parallel splits "
-                                  "nn.Linear layers only; drop it from the plan")
+                                  "nn.Linear layers only (and an nn.Embedding rowwise, by its rows); drop it "
+                                  "from the plan")
             width = module.out_features // rule.parts if rule.style == "colwise" else module.in_features
             what = "output features" + (f" per part ({rule.parts} parts)" if rule.parts > 1 else "") \
                 if rule.style == "colwise" else "input features"
             if rule.style == "colwise" and module.out_features % rule.parts:
                 raise ConfigError(f"{self.source}: {name} has {module.out_features} output features, not "
                                   f"{rule.parts} equal parts")
-            heads = _heads(rule, name, modules)
+            heads = _heads(rule, name, modules, module)
             if heads is not None and heads % tp:
                 raise ConfigError(f"--tp {tp} does not divide the {heads} attention heads of {name}; use a --tp "
                                   f"that divides {heads}")
             if width % tp:
                 raise ConfigError(f"--tp {tp} does not divide the {width} {what} of {name}; use a --tp that "
                                   f"divides {width}")
+        self._check_ties(model, found)
         return found
+
+    def _check_ties(self, model: nn.Module, found: list[tuple[str, Rule, nn.Module]]) -> None:
+        """A tensor under several names (tied weights) must be split alike under each, so it stays one tensor:
+        one ConfigError line if the plan splits its names differently."""
+        splits = {name: _placement(rule, module) for name, rule, module in found}
+        for group in tied_groups(model):
+            how = {n: splits.get(n.rpartition(".")[0]) for n in group}
+            if len(set(how.values())) > 1:
+                described = ", ".join(f"{n}: {h or 'whole'}" for n, h in how.items())
+                raise ConfigError(f"{self.source}: {' and '.join(group)} are one tensor (tied weights), which the "
+                                  f"plan splits differently ({described}); split them alike (an embedding "
+                                  "rowwise with its tied output layer colwise, gather = true) or neither")
 
     def apply(self, module: nn.Module, mesh: Any, prefix: str = "") -> int:
         """Split the layers of ``module`` (named ``prefix`` in the whole model) that the plan names, over the
@@ -151,7 +177,7 @@ class TensorPlan:
             full = f"{prefix}.{name}" if prefix and name else prefix or name
             rule = next((r for r in self.rules if full and r.matches(full)), None)
             if rule is not None:
-                parallelize_module(sub, mesh, parallel_style(rule))
+                parallelize_module(sub, mesh, parallel_style(rule, sub))
                 count += 1
         return count
 
@@ -193,19 +219,61 @@ def plan_for(model: nn.Module, spec: str, model_name: str = "the model") -> Tens
     """The plan ``--tp-plan`` gives: ``auto`` is the model's own (``tp_plan``); else a TOML file."""
     if spec != "auto":
         return TensorPlan.from_file(spec)
-    own = getattr(model, "tp_plan", None) or getattr(type(model), "tp_plan", None)
-    if not own:
+    hf = hf_plan(model)
+    if hf is not None:
+        return hf
+    own = getattr(model, "tp_plan", None)
+    if not own or not isinstance(own, Mapping):  # (transformers' models have a tp_plan of their own: read above)
         raise ConfigError(f"--tp: --model {model_name} has no tensor-parallel plan; give one with --tp-plan "
                           "FILE.toml (module name = \"colwise\" or \"rowwise\"; see docs/tensor-parallel.md)")
     return TensorPlan.from_mapping(own, f"{type(model).__name__}.tp_plan")
 
 
-def parallel_style(rule: Rule) -> Any:
+#: transformers' tensor-parallel styles (``config.base_model_tp_plan``, a model's ``_tp_plan``) as plan entries
+_HF_STYLES = {"colwise": {"style": "colwise"}, "rowwise": {"style": "rowwise"},
+              "colwise_gather_output": {"style": "colwise", "gather": True},
+              "embedding_rowwise": {"style": "rowwise"}}
+
+
+def hf_plan(model: nn.Module) -> TensorPlan | None:
+    """A Hugging Face model's own tensor-parallel plan (transformers ships one: the model's ``_tp_plan``, which
+    transformers resolves over its submodules, the embedding's included; where that is absent, the config's
+    ``base_model_tp_plan``, names below the base model, and the class's ``_tp_plan`` for its output layer), as a
+    polytrain plan; None for a model that is not a transformers model. A model whose plan is empty has none
+    (``plan_for`` then says to give one); a style polytrain does not carry out is one line."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "base_model_tp_plan"):
+        return None
+    resolved = getattr(model, "_tp_plan", None)
+    if isinstance(resolved, Mapping):
+        whole = dict(resolved)
+    else:
+        prefix = getattr(model, "base_model_prefix", "")
+        own = vars(type(model)).get("_tp_plan")
+        whole = {**{(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
+                    for k, v in (config.base_model_tp_plan or {}).items()},
+                 **(own if isinstance(own, Mapping) else {})}
+    if not whole:
+        return None
+    unknown = sorted({v for v in whole.values() if v not in _HF_STYLES})
+    source = f"{type(model).__name__}'s transformers tp plan (config.base_model_tp_plan)"
+    if unknown:
+        raise ConfigError(f"{source}: its styles {', '.join(unknown)} are not ones polytrain splits by "
+                          f"({', '.join(_HF_STYLES)}); give a plan with --tp-plan FILE.toml")
+    return TensorPlan.from_mapping({k: _HF_STYLES[v] for k, v in whole.items()}, source)
+
+
+def parallel_style(rule: Rule, module: nn.Module | None = None) -> Any:
     """The ``torch.distributed.tensor.parallel`` style of ``rule``, cutting locally (``src_data_rank=None``:
-    every rank holds the same whole values, so nothing is scattered)."""
+    every rank holds the same whole values, so nothing is scattered). A rowwise ``nn.Embedding`` is split by
+    its rows (the vocabulary), its output summed whole; a ``gather`` colwise layer's output is gathered whole."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    style = RowwiseParallel() if rule.style == "rowwise" else \
+    embedding = isinstance(module, nn.Embedding)  # its input (token ids) whole on every rank
+    style = RowwiseParallel(input_layouts=Replicate()) if rule.style == "rowwise" and embedding else \
+        RowwiseParallel() if rule.style == "rowwise" else \
+        ColwiseParallel(output_layouts=Replicate()) if rule.gather else \
         ColwiseParallel() if rule.parts == 1 else _PartsColwise(rule.parts)
     style.src_data_rank = None
     return style
@@ -253,7 +321,13 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(".".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
 
 
-def _heads(rule: Rule, name: str, modules: dict[str, nn.Module]) -> int | None:
+def _heads(rule: Rule, name: str, modules: dict[str, nn.Module], module: nn.Module) -> int | None:
+    """The attention heads a colwise layer's output holds: the rule's, or where its parent module says its
+    ``head_dim`` (a Hugging Face attention: q, and k and v of grouped-query attention, have their own)."""
+    if rule.heads is None and rule.style == "colwise":
+        head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0 and isinstance(module, nn.Linear):
+            return module.out_features // rule.parts // head_dim
     if rule.heads is None or isinstance(rule.heads, int):
         return rule.heads
     parent = modules.get(name.rpartition(".")[0])
@@ -262,6 +336,12 @@ def _heads(rule: Rule, name: str, modules: dict[str, nn.Module]) -> int | None:
         raise ConfigError(f"heads = \"{rule.heads}\" for {name}: its parent module has no whole-number attribute "
                           f"'{rule.heads}'; give the number of heads")
     return value
+
+
+def _placement(rule: Rule, module: nn.Module) -> str:
+    """How ``rule`` splits ``module``'s weight: by rows or by columns (a tied tensor must be split alike)."""
+    rows = (rule.style == "colwise") == isinstance(module, nn.Linear)  # an Embedding's rowwise split is its rows
+    return "rows" if rows else "columns"
 
 
 def _examples(model: nn.Module) -> Iterator[str]:

@@ -33,8 +33,10 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
+from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, check_batch, register_strategy
+from polytrain.train.held import HeldState
+from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
 from polytrain.parallel.tp.config import TensorParallelConfig
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
 
@@ -44,24 +46,22 @@ class TensorParallel(Strategy):
     name = "tp"
     summary = "tensor parallel: the plan's layers split over --tp ranks (DTensor), --workers / --tp replicas"
     config_section = "tp"
+    exchange = "sync"
+    meeting = "gradients averaged every step"
+    fills = "tp"
+    cuts = ("tp",)
 
     def __init__(self, topology: Any, options: TensorParallelConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
             raise ConfigError("--strategy tp splits layers over --tp processes; it cannot run in one process")
         super().__init__(topology, options, layout)
+        self.held_state = HeldState(self)  # a resume reads each rank's block of the split layers
         self.plan: TensorPlan | None = None
         self._max_norm: float | None = None
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        opts = options if options is not None else TensorParallelConfig()
-        tp = opts.tp or workers or DEFAULT_WORKERS
-        workers = workers or tp
-        if workers % tp:
-            raise ConfigError(f"--strategy tp: --workers {workers} is not a multiple of --tp {tp}; pass --workers "
-                              f"{max(1, workers // tp) * tp} (--workers / --tp data-parallel replicas)")
-        dp = workers // tp
-        return Layout(cls.name, ("trainer",) * workers, (("dp", dp), ("tp", tp)), dp)
+        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -79,13 +79,16 @@ class TensorParallel(Strategy):
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         self.plan = plan_for(model, self.options.tp_plan)
+        self.plan.check(model, self.topology.axis_size("tp"))  # (a factory the launcher could not build: here)
         mesh = self.topology.mesh["tp"]
         if is_deferred(model):  # each unit made whole, split, then the next
             return materialize(model, self.topology.device, then=lambda name, unit: self.plan.apply(unit, mesh, name))
         if self.topology.is_main:
             get_logger().warning(describe_whole_build(model, type(model).__name__))
+        ties = tied_groups(model)
         model = model.to(self.topology.device)
         self.plan.apply(model, mesh)
+        tie_again(model, ties)  # a tied tensor split alike under its names (plan.check): one Parameter again
         return model
 
     @contextlib.contextmanager
@@ -131,6 +134,7 @@ class TensorParallel(Strategy):
     def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
         assert self.model is not None and self.optimizer is not None
         model = {key: full_tensor(value) for key, value in self.model.state_dict().items()}  # (collective: tp)
+        model = retie(model, self.model)  # a tied tensor one tensor, as single saves it
         state = self.optimizer.state_dict() if optimizer else None
         if state is not None:
             state = {**state, "state": {i: {k: full_tensor(v) for k, v in per.items()}

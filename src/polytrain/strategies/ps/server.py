@@ -47,7 +47,7 @@ from torch import nn
 
 from polytrain.distributed.p2p import Channel, bits_float, header
 from polytrain.errors import CommunicationError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 from polytrain.strategies.ps.book import ServerBook
 from polytrain.strategies.ps.inbox import Inbox, WatchedInbox
 from polytrain.strategies.ps.ranks import (DONE, DROPPED, INIT, KIND_NAMES, LOST, PULL, PUSH, READ, RECORD_WIDTH,
@@ -220,7 +220,7 @@ class ParameterServer:
         self._tickets.pop(worker, None)
         self._mopping.pop(worker, None)
         get_logger().warning(f"{self.channel.me}: {self.ranks.name(worker)} lost ({reason}); "
-                             f"{len(back)} slice(s) it held go to the other workers")
+                             f"{len(back)} slice(s) it held go to the other workers", extra=EVERY_RANK)
         for rank in self.ranks.server_ranks[1:]:
             sends = [(header(LOST, self.channel.rank, worker, len(back)), rank, TAG_REQUEST)]
             if back:

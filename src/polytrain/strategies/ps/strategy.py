@@ -50,7 +50,8 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy, register_strategy
+from polytrain.strategies.base import (DEFAULT_WORKERS, OptimizerFactory, Strategy, degrees_of, register_strategy,
+                                      runner_for)
 from polytrain.strategies.ps.capabilities import HelperLoop, ServerLoop, Tickets
 from polytrain.strategies.ps.client import ParameterClient
 from polytrain.strategies.ps.ranks import Ranks
@@ -81,6 +82,7 @@ class AsyncConfig:
 class AsyncParameterServer(Strategy):
     name = "async"
     summary = "asynchronous data parallel: parameter servers apply each worker's gradient as it arrives"
+    meeting = "through parameter servers: each worker pushes its gradients and pulls the parameters"
     config_section = "async"
 
     def __init__(self, topology: Topology, options: AsyncConfig | None = None, layout: Layout | None = None):
@@ -121,6 +123,7 @@ class AsyncParameterServer(Strategy):
         workers meet only at the trainer's log points. With ``--tolerate-worker-loss`` worker 0 alone runs the
         trainer's loop and workers 1..N-1 are helpers the job may lose."""
         opts = options if options is not None else AsyncConfig()
+        runner_for(cls, degrees_of(cls, workers, options))  # whole replicas only: one line for a cut one
         ranks = Ranks(workers or DEFAULT_WORKERS, opts.servers)
         n = ranks.workers
         tolerant = bool(opts.tolerate_worker_loss) and n > 1

@@ -1,0 +1,78 @@
+"""The end of a run saves before it evaluates, and evaluation's batches fit --memory-limit (train/evaluation.py):
+a run whose evaluation of 256 examples at once would pass the limit sizes its batches and ends well; the same run
+with --eval-batch-size made too large on purpose fails with one line that says the model was saved, and the
+saved model and checkpoint are the first run's."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from polytrain.api import make_config
+from polytrain.train.evaluation import DEFAULT_EVAL_BATCH, EvalBatchSize
+
+# a byte-level language model whose evaluation of all 239 test windows at once needs tens of MiB more than a
+# training step of 8 (its hidden activations, attention and logits)
+RUN = dict(strategy="single", model="transformer_lm:layers=2,dim=128,heads=4",
+           data="text:seq_len=64,test_fraction=0.04", optimizer="adam", batch_size=8, steps=2, eval_every=0,
+           progress="off", memory_limit="40MiB")
+
+
+# the two runs in a fresh process, as the command runs them: the evaluation's batch is sized from the memory its
+# first batches take, which a long-lived process (a test worker after hundreds of tests) may already hold freed
+_RUNS = """
+import json, sys
+import polytrain
+from polytrain.errors import MemoryLimitError
+run, d = json.loads(sys.argv[1]), sys.argv[2]
+fitted = polytrain.fit(**run, save_model=d + "/fitted.pt", metrics_file=d + "/fitted.jsonl")
+try:
+    polytrain.fit(**run, eval_batch_size=1000, checkpoint_dir=d + "/ck", save_model=d + "/failed.pt")
+    message = None
+except MemoryLimitError as exc:
+    message = str(exc)
+print(json.dumps([fitted, message], default=str))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, module_cli_env):
+    d = tmp_path_factory.mktemp("eval")
+    done = subprocess.run([sys.executable, "-c", _RUNS, json.dumps(RUN), str(d)], env=module_cli_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    fitted, message = json.loads(done.stdout.strip().splitlines()[-1])
+    assert message is not None, "an evaluation of 1000 examples at once fitted the limit"
+    return d, fitted, message
+
+
+def test_under_a_limit_the_evaluation_is_sized_to_fit_where_256_at_once_would_not(runs):
+    d, fitted, message = runs
+    assert fitted["steps"] == 2 and fitted["eval_loss"] is not None
+    assert "in evaluation: give a smaller --eval-batch-size (now 1000 per worker)" in message  # all 239 at once fail
+
+
+def test_an_evaluation_past_the_limit_fails_after_the_model_was_saved_and_says_where(runs):
+    d, _, message = runs
+    (line,) = message.splitlines()
+    assert re.fullmatch(r"\[rank 0\] out of memory under --memory-limit 40MiB per worker: .*; the final evaluation "
+                        rf"failed after step 2 was saved \(checkpoint {re.escape(str(d / 'ck' / 'step-00000002.pt'))}; "
+                        rf"--save-model {re.escape(str(d / 'failed.pt'))}\)", line), line
+    saved, reference = torch.load(d / "failed.pt"), torch.load(d / "fitted.pt")
+    checkpoint = torch.load(d / "ck" / "step-00000002.pt", weights_only=False)["model"]
+    assert saved.keys() == reference.keys() == checkpoint.keys()
+    assert all(torch.equal(saved[k], reference[k]) and torch.equal(checkpoint[k], reference[k]) for k in reference)
+
+
+def test_the_batch_size_as_given_or_sized():
+    given = make_config(eval_batch_size=7)
+    assert EvalBatchSize(given, 48, 4, 1000).decide(None, None, None) == 7  # (nothing measured)
+    assert EvalBatchSize(make_config(), 48, 4, 1000).size == DEFAULT_EVAL_BATCH  # no limit: 256
+    limited = make_config(memory_limit="1GiB", accumulate=2)
+    sized = EvalBatchSize(limited, 48, 4, 1000)
+    assert sized.size is None and sized.micro == 6  # measured at its first evaluation, from training's 6
+    small = EvalBatchSize(limited, 48, 4, 40)  # 10 test examples a worker: no room to measure a second batch
+    assert small.decide(None, None, None) == 6
