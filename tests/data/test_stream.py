@@ -94,7 +94,7 @@ def resumed(shards, tmp_path_factory):
     run = dict(model="transformer_lm:layers=1,dim=16,heads=2", data=f"hf:{shards / 'part*.jsonl'},stream=true,seq_len=16",
                tokenizer="text", strategy="sync", steps=8, batch_size=8, optimizer="sgd", lr=0.5, progress="off",
                log_every=1, eval_every=0, seed=0)
-    polytrain.fit(workers=2, log_example_ids=str(out / "full.ids"), save_model=str(out / "full.pt"), **run)
+    polytrain.fit(workers=4, log_example_ids=str(out / "full.ids"), save_model=str(out / "full.pt"), **run)
     mp = pytest.MonkeyPatch()
     mp.setenv("POLYTRAIN_INJECT_KILL", "rank=2,steps=3,signal=SIGTERM")  # rank 2 sends itself SIGTERM
     with pytest.raises(RunStopped) as stopped:
