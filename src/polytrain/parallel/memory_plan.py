@@ -197,8 +197,10 @@ class _Inputs:
 
 def _sample(data: Any) -> _Inputs:
     dataset = data.train
-    count = min(2, len(dataset))
-    if hasattr(dataset, "get_batch"):
+    count = 1 if data.streamed else min(2, len(dataset))
+    if data.streamed:  # (rows of seq_len tokens: nothing is read for their shape)
+        x, y = (t.unsqueeze(0) for t in data.shape_example())
+    elif hasattr(dataset, "get_batch"):
         x, y = dataset.get_batch(torch.arange(count), 0)
     else:
         x, y = torch.utils.data.default_collate([dataset[i] for i in range(count)])
