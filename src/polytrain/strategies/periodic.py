@@ -27,7 +27,7 @@ next outer step still measures the change since the last sync point.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +40,9 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.phases import phase
-from polytrain.strategies.base import Strategy, mesh_layout, register_strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
 from polytrain.strategies.step import StepResult
 from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
 from polytrain.parallel.dtensor import average, full, like, load_whole, local, shard_of, whole_state
@@ -121,12 +123,12 @@ class PeriodicConfig:
 @register_strategy
 class LocalSGD(Strategy):
     name = "local-sgd"
-    lost_worker = None  # --on-failure continue: every rank a whole replica (and diloco's)
     summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
     config_section = "periodic"
-    cuts = ("dp_shard",)  # a replica may be fsdp-sharded: the replicas then meet on each rank's shard
-    exchange = "local-sgd"
-    meeting = "parameters averaged every --sync-every H steps"
+    # a replica may be fsdp-sharded: the replicas then meet on each rank's shard; --on-failure continue: every
+    # rank a whole replica (and diloco's)
+    traits = Traits(exchange="local-sgd", meeting="parameters averaged every --sync-every H steps",
+                    cuts=("dp_shard",), lost_worker=None)
 
     def __init__(self, topology: Any, options: PeriodicConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
@@ -235,8 +237,8 @@ class LocalSGD(Strategy):
 @register_strategy
 class Diloco(LocalSGD):
     name = "diloco"
-    exchange = "diloco"
-    meeting = "an outer Nesterov SGD step on the averaged change every --sync-every H steps"
+    traits = replace(LocalSGD.traits, exchange="diloco", copies=("anchor",),
+                     meeting="an outer Nesterov SGD step on the averaged change every --sync-every H steps")
     summary = ("DiLoCo: each worker its own (inner) optimizer on its slice; every --sync-every H steps an outer "
                "Nesterov SGD step on the averaged parameter change")
 
