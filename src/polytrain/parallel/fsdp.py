@@ -41,7 +41,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
 from polytrain.models.parts import retie, unit_groups, units
-from polytrain.train.held import HeldState
+from polytrain.strategies.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)

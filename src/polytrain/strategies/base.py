@@ -1,4 +1,5 @@
-"""The Strategy protocol: a dozen members every strategy has, and capabilities some have.
+"""The Strategy protocol: the members every strategy has (``tests/strategies/test_protocol.py`` counts them), and
+capabilities some have.
 
 A strategy owns everything that differs between ways of training one model over processes and devices.
 
@@ -8,7 +9,7 @@ A strategy owns everything that differs between ways of training one model over 
 * In every process: :meth:`prepare` (the model moved, wrapped or cut, and the optimizer over what this rank
   updates), :meth:`train_step` (micro-batches, forward, backward, exchange, update), :meth:`eval_step`,
   :meth:`state_dict`/:meth:`load_state_dict` (the whole model and optimizer as ``single`` saves them,
-  loadable by any strategy), :meth:`finish`, :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics`
+  loadable by any strategy), :meth:`local_state` (this rank's own, without a collective), :meth:`finish`, :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics`
   (numbers of its own for the step records and the summary) and :attr:`module` (the plain model).
 
 What only some strategies do is a *capability*: an object attribute, ``None`` where unsupported, which the
@@ -25,7 +26,7 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
 * :attr:`held_state`: what this rank holds of the model and optimizer (a whole replica, or ``DTensor`` shards)
   is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
   order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
-  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`; ``held_state.by_rows`` False: rank 0 reads
+  (``held_state.load(checkpoint)``, :mod:`polytrain.strategies.held`; ``held_state.by_rows`` False: rank 0 reads
   and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
   one tensor at a time (:mod:`polytrain.weights.save`).
 
@@ -240,6 +241,14 @@ class Strategy:
             return None
         assert self.optimizer is not None
         return {"model": self.module.state_dict(), **({"optimizer": self.optimizer.state_dict()} if optimizer else {})}
+
+    def local_state(self) -> dict[str, Any]:
+        """This rank's own model and optimizer state, live tensors, no collective (``{"model": ...,
+        "optimizer": ...}``, and what the strategy keeps besides: diloco's ``outer``, its anchor and outer
+        optimizer): what a rank hands a peer under ``--on-failure continue``, and what its memory meter counts.
+        :meth:`load_state_dict` takes it back."""
+        assert self.optimizer is not None
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (every rank gets the same ``state``)."""

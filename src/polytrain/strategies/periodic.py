@@ -340,6 +340,10 @@ class Diloco(LocalSGD):
                 state["outer"]["exchange"] = self.exchange.state()
         return state
 
+    def local_state(self) -> dict[str, Any]:
+        assert self.outer is not None
+        return {**super().local_state(), "outer": {"anchor": list(self._anchor), "optimizer": self.outer.state_dict()}}
+
     def _whole_outer(self) -> dict[str, Any]:
         """The anchor and the outer optimizer's state, each shard gathered whole (a collective over dp_shard)."""
         assert self.outer is not None

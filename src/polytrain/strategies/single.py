@@ -6,7 +6,7 @@ from typing import Any
 
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.registry import register_strategy
-from polytrain.train.held import HeldState
+from polytrain.strategies.held import HeldState
 
 
 @register_strategy

@@ -40,7 +40,7 @@ from polytrain.strategies.balance import Balancer, BalancePolicy
 from polytrain.strategies.base import Strategy, data_slice
 from polytrain.strategies.registry import mesh_layout, register_strategy
 from polytrain.strategies.traits import Traits
-from polytrain.train.held import HeldState
+from polytrain.strategies.held import HeldState
 from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 

@@ -179,8 +179,8 @@ class ElasticRun:
         if trainer.strategy is not None:
             old = trainer.strategy
             trainer.strategy = s.strategy = s.model = None
-            _release(old)
-            del old  # DDP's reducer (its hooks on the parameters) goes with its last reference: nothing holds it
+            old.model = None  # DDP's reducer holds hooks on the parameters until it is freed
+            del old  # (sync's exchange runs through the process group here: launch_settings)
         state, pending, old_index, old_generation = self._carry
         at = os.environ.get(JOIN_AT_ENV)
         generation = self.membership.change(self.committed, cut=failed,
@@ -286,13 +286,9 @@ class ElasticRun:
 
 
 def local_state(strategy: Any) -> dict[str, Any]:
-    """This rank's model and optimizer state (diloco: with its anchor and outer optimizer), without a collective."""
-    state = {"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict(),
-             **strategy.amp.state_dict()}
-    outer = getattr(strategy, "outer", None)
-    if outer is not None:
-        state["outer"] = {"anchor": list(strategy._anchor), "optimizer": outer.state_dict()}
-    return state
+    """This rank's model and optimizer state (diloco: with its anchor and outer optimizer) and its precision's
+    (the loss scale), without a collective."""
+    return {**strategy.local_state(), **strategy.amp.state_dict()}
 
 
 def _clone(state: Any) -> Any:
@@ -304,13 +300,6 @@ def _clone(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_clone(v) for v in state)
     return copy.deepcopy(state)
-
-
-def _release(strategy: Any) -> None:
-    """Drop the old strategy's wrapper (DDP's reducer holds hooks on the parameters until it is freed)."""
-    for name in ("model", "_exchange"):
-        if hasattr(strategy, name):
-            setattr(strategy, name, None)
 
 
 def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:

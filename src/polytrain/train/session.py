@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np

@@ -33,7 +33,7 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
 from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
-from polytrain.train.held import HeldState
+from polytrain.strategies.held import HeldState
 from polytrain.strategies.base import Strategy, check_batch
 from polytrain.strategies.registry import mesh_layout, register_strategy
 from polytrain.strategies.traits import Traits
