@@ -22,7 +22,7 @@ STRATEGIES = {
     # staleness 0: the server applies each step's slices in slice order, whichever worker computed them and
     # whenever they came, so two runs are the same bit for bit (rank 2 is the server)
     "async": dict(strategy="async", workers=2, servers=1, staleness=0),
-    # checkpoints at sync points (every 4 steps, H = 2); plain SGD: a checkpoint keeps rank 0's inner optimizer
+    # checkpoints at meetings (every 4 steps, H = 2); plain SGD: a checkpoint keeps rank 0's inner optimizer
     # state only, so inner momentum would differ after a resume
     "local-sgd": dict(strategy="local-sgd", workers=2, sync_every=2, momentum=0.0),
     "pipeline": dict(strategy="pipeline", stages=2, microbatches=2),

@@ -9,8 +9,9 @@ A strategy owns everything that differs between ways of training one model over 
 * In every process: :meth:`prepare` (the model moved, wrapped or cut, and the optimizer over what this rank
   updates), :meth:`train_step` (micro-batches, forward, backward, exchange, update), :meth:`eval_step`,
   :meth:`state_dict`/:meth:`load_state_dict` (the whole model and optimizer as ``single`` saves them,
-  loadable by any strategy), :meth:`local_state` (this rank's own, without a collective), :meth:`finish`, :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics`
-  (numbers of its own for the step records and the summary) and :attr:`module` (the plain model).
+  loadable by any strategy), :meth:`local_state` (this rank's own, without a collective), :meth:`finish`,
+  :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics` (numbers of its own for the step records and
+  the summary) and :attr:`module` (the plain model).
 
 What only some strategies do is a *capability*: an object attribute, ``None`` where unsupported, which the
 trainer asks for instead of asking which strategy it has or what role a rank plays:

@@ -5,23 +5,23 @@ exchanging nothing; every ``--sync-every H`` global steps the workers all-reduce
 trainers' process group (no DDP, no per-step exchange), which is H times fewer bytes than ``sync``:
 
 * ``local-sgd`` (Stich 2019; Lin et al. 2020) replaces every replica by the average.
-* ``diloco`` (Douillard et al. 2023) keeps the parameters of the last sync point (the *anchor*), takes
+* ``diloco`` (Douillard et al. 2023) keeps the parameters of the last meeting (the *anchor*), takes
   ``delta = anchor - average`` as a gradient and steps the anchor with outer SGD with Nesterov momentum
   (``--outer-lr``, ``--outer-momentum``); every worker starts the next round from the new anchor.
 
 With H = 1 and inner plain SGD both equal ``sync`` (the average of N steps from one point is one step along
 the averaged gradient; diloco with outer lr 1 and no momentum lands on that average). Floating-point
-buffers (BatchNorm statistics) are averaged at each sync point too; clipping (``--clip-grad-norm``) clips
+buffers (BatchNorm statistics) are averaged at each meeting too; clipping (``--clip-grad-norm``) clips
 each worker's own gradient, since there is no global one.
 
 Sync points are the global steps that are multiples of H, counted from step 0, so a resumed run meets at
-the same steps as an uninterrupted one. Between sync points the replicas differ: evaluation scores each
+the same steps as an uninterrupted one. Between meetings the replicas differ: evaluation scores each
 worker's replica on its slice of the test set, and the whole model that is saved (checkpoint, --save-model)
-is the average of the replicas (one extra all-reduce; at a sync point they are already equal). A
+is the average of the replicas (one extra all-reduce; at a meeting they are already equal). A
 checkpoint also holds rank 0's inner optimizer state (loaded by every worker on resume: the others' inner
 momentum is not kept) and, for diloco, the anchor and the outer momentum. Resuming mid-round therefore
 starts every worker from the average of the replicas at the checkpoint, with the round's anchor, so the
-next outer step still measures the change since the last sync point.
+next outer step still measures the change since the last meeting.
 """
 
 from __future__ import annotations
@@ -189,17 +189,18 @@ class LocalSGD(Strategy):
             with torch.no_grad(), self.phase("sync"), phase("exchange"):
                 self._meet()
             self._dirty = False
-            # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
+            # the meeting's all-reduce: exchanging parameters and waiting for the slowest worker's round
             result.wait_s += time.perf_counter() - started
         return result
 
     def _meet(self) -> None:
-        """The sync point: every replica becomes the average."""
+        """The meeting: every replica becomes the average."""
         self._average_into(self._synced(self.module))
 
     def _synced(self, model: nn.Module) -> list[torch.Tensor]:
-        """What meets at a sync point: the parameters and the floating-point buffers (BatchNorm statistics;
-        integer ones such as its step counter are equal on every worker anyway), each rank's shard of them."""
+        """What the replicas exchange at a meeting: the parameters and the floating-point buffers (BatchNorm
+        statistics; integer ones such as its step counter are equal on every worker anyway), each rank's shard of
+        them."""
         return [local(t) for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
 
     def _average_into(self, tensors: list[torch.Tensor]) -> None:

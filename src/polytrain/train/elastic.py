@@ -10,10 +10,10 @@ last step whose state it holds (*committed*):
   or some survivors past it (the all-reduce completed, the dead worker's slice included); the group continues
   from the most advanced survivors' step, the others taking their state. So the step in flight is completed by
   all survivors or by none, and its examples are used once.
-* ``local-sgd`` and ``diloco`` commit at sync points: each rank keeps a copy of its state there (parameters,
+* ``local-sgd`` and ``diloco`` commit at meetings: each rank keeps a copy of its state there (parameters,
   inner and outer optimizer; one model and optimizer copy in memory). A death inside a round loses that
   round's work of every replica: the survivors return to the round's start and train it again over fewer
-  slices (the round in flight is redone by all survivors, or, if its sync point had completed somewhere,
+  slices (the round in flight is redone by all survivors, or, if its meeting had completed somewhere,
   completed by all).
 
 Then every member builds the strategy again over the new group (DDP wraps the same module again), the state to
@@ -21,7 +21,7 @@ continue from is sent from a member that holds it to those that do not (a replac
 one broadcast over the new group, and the loop goes on from that step with the same global batches cut into as
 many slices as there are members (differing by one example at most when they do not divide). Nothing is read
 from disk. A replacement waiting to join is looked for at step boundaries (``sync``: every ``--log-every`` steps;
-``local-sgd``, ``diloco``: sync points): rank 0 reads one store counter, and one one-element all-reduce tells
+``local-sgd``, ``diloco``: meetings): rank 0 reads one store counter, and one one-element all-reduce tells
 the others.
 
 ``--log-example-ids``: the survivors' records of the steps since the last log point are written at the change;
@@ -79,7 +79,7 @@ def lost_peer(exc: BaseException) -> bool:
 
 
 class ElasticRun:
-    """One rank's ``--on-failure continue`` state: its membership, its committed step (and, between sync points,
+    """One rank's ``--on-failure continue`` state: its membership, its committed step (and, between meetings,
     the state there), and the changes so far."""
 
     def __init__(self, trainer: Any, membership: Membership):
@@ -124,10 +124,10 @@ class ElasticRun:
         return summary
 
     def _wrap(self, strategy: Any) -> None:
-        """Count committed steps, keep the state at sync points, and look for joiners at step boundaries."""
+        """Count committed steps, keep the state at meetings, and look for joiners at step boundaries."""
         inner, layout = strategy.train_step, strategy.layout
         trainers, every = strategy.trainers, self.trainer.config.log.log_every
-        # where a joiner may be admitted: sync points (local-sgd, diloco); sync's log points (a step pays nothing)
+        # where a joiner may be admitted: meetings (local-sgd, diloco); sync's log points (a step pays nothing)
         boundary = (lambda step: layout.meets_at(step)) if layout.meets_every > 1 else (lambda step: step % every == 0)
 
         def train_step(batch: Any, lr: float) -> Any:
@@ -156,7 +156,7 @@ class ElasticRun:
         return agree_with_rank0(trainers)(mine)
 
     def _keep(self, strategy: Any) -> None:
-        """The committed state: ``sync``'s is the live one; between sync points a copy is kept."""
+        """The committed state: ``sync``'s is the live one; between meetings a copy is kept."""
         self.snapshot = None if strategy.layout.meets_every == 1 else _clone(local_state(strategy))
 
     def _committed_state(self, strategy: Any) -> dict[str, Any]:
