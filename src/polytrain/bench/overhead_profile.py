@@ -34,7 +34,7 @@ PARTS = (
     ("train/trackers.py", None, "log points"),
     ("log.py", None, "log points"),
     ("distributed/topology.py", None, "log points"),
-    ("data/", None, "data"),
+    ("data/", None, "data"),  # the dataset's get_batch and the plan's global_indices and position: the plain loop's too
     ("train/lr_schedules.py", None, "lr schedule"),
     ("strategies/", None, "strategy step"),
     ("optim", None, "strategy step"),
