@@ -67,7 +67,8 @@ def pytest_runtest_protocol(item, nextitem):
     if lock is None:
         yield
         return
-    with lock.held(alone=item.get_closest_marker("serial") is not None):
+    alone = item.get_closest_marker("serial") is not None
+    with lock.held(alone, keep=nextitem is not None and nextitem.get_closest_marker("serial") is not None):
         yield
 
 

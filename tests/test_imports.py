@@ -4,6 +4,7 @@ is an edge from the importing module to the polytrain module it names; a cycle a
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -14,6 +15,7 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def import_graph(root: Path = SRC) -> dict[str, set[str]]:
     """{module: the polytrain modules it imports}, from the source of every module under ``root``."""
     modules = {_module_name(p, root): p for p in (root / "polytrain").rglob("*.py")}
@@ -85,3 +87,43 @@ def test_the_check_finds_a_cycle(tmp_path):
     (package / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
     (package / "c.py").write_text("import polytrain.a\n")
     assert cycles(import_graph(tmp_path)) == [["polytrain.a", "polytrain.c", "polytrain.sub.b"]]
+
+
+#: what train/ may import of strategies/: the protocol (the Strategy class and its capabilities' types, the step's
+#: recipe and result, the traits), the registry and each strategy's settings; never a strategy itself
+PROTOCOL_MODULES = {"polytrain.strategies", "polytrain.strategies.base", "polytrain.strategies.step",
+                    "polytrain.strategies.traits", "polytrain.strategies.registry", "polytrain.strategies.settings"}
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """The imports between train/ and strategies/ that are not through the protocol: train/ importing a module of
+    strategies/ outside :data:`PROTOCOL_MODULES`, and any import from strategies/ into train/."""
+    def under(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if under(module, "polytrain.train") and under(target, "polytrain.strategies") and \
+                    target not in PROTOCOL_MODULES:
+                found.append(f"{module} -> {target}")
+            if under(module, "polytrain.strategies") and under(target, "polytrain.train"):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_train_and_the_strategies_meet_only_through_the_protocol():
+    assert crossings(import_graph()) == []
+
+
+def test_the_check_finds_a_crossing(tmp_path):
+    package = tmp_path / "polytrain"
+    for sub in ("train", "strategies"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "strategies" / "base.py").write_text("")
+    (package / "strategies" / "sync.py").write_text("def f():\n    from polytrain.train import loop\n")
+    (package / "train" / "loop.py").write_text("from polytrain.strategies import base, sync\n")
+    assert crossings(import_graph(tmp_path)) == ["polytrain.strategies.sync -> polytrain.train.loop",
+                                                 "polytrain.train.loop -> polytrain.strategies.sync"]

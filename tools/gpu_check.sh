@@ -53,6 +53,9 @@ LM=(--device cuda --strategy single --model transformer_lm:layers=4,dim=256,head
   run "${LM[@]}" --steps 20 --device cuda:0 --strategy pipeline --workers 2 --backend gloo   # refused: needs nccl
 } | tee "$OUT/features.txt"
 
+echo "== model FLOPs utilisation: transformer_lm 8 x 1024, bf16-mixed, compiled, against a plain loop"
+timeout 400 $PY benchmarks/mfu.py --steps 200 --out "$OUT/mfu.json" 2>&1 | grep -v -i warn | tail -5 | tee "$OUT/mfu.txt"
+
 if [ "${1:-}" = "--suite" ]; then
   echo "== the whole suite, with CUDA visible"
   timeout 420 $PY -m pytest -q -p no:cacheprovider -n 8 -ra tests > "$OUT/suite.txt" 2>&1

@@ -128,3 +128,10 @@ def test_bad_stream_arguments_are_one_line(shards, tmp_path):
     stream = build_data(f"hf:{long},stream=true,lanes=2", tokenizer="text").train
     with pytest.raises(DataError, match="lane 1 of its chunks holds no document; give fewer lanes= or more data"):
         Lane(stream, 1, 2).row()
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_before_launch(shards):
+    with pytest.raises(ConfigError, match="its vocabulary of 500 tokens is smaller than the data's token ids"):
+        polytrain.fit(model="transformer_lm:layers=1,dim=16,heads=2,vocab=500", strategy="sync", workers=2,
+                      data=f"hf:{shards / 'part*.jsonl'},stream=true", tokenizer="text", steps=1, batch_size=4,
+                      progress="off")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +12,7 @@ from polytrain.errors import ConfigError
 from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for
 from polytrain.train.run import layout_of
+from tests.helpers.cli_batch import run_here
 
 
 def _layout(**settings) -> Layout:
@@ -86,14 +85,13 @@ def test_a_layout_checks_itself():
     (["--strategy", "hybrid", "--workers", "4", "--pp", "2"],
      {"processes": 4, "roles": ["trainer"] * 4, "axes": {"dp_replicate": 2, "pp": 2}}),
 ])
-def test_polytrain_plan_prints_any_strategys_layout(cli_env, args, expected):
-    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", *args, "--json"], env=cli_env,
-                         capture_output=True, text=True, timeout=120)
+def test_polytrain_plan_prints_any_strategys_layout(capsys, args, expected):
+    """The command's main in this process: plan starts no process."""
+    out = run_here(capsys, "plan", *args, "--json")
     assert out.returncode == 0, out.stderr
     layout = json.loads(out.stdout)["layout"]
     assert {key: layout[key] for key in expected} == expected
-    text = subprocess.run([sys.executable, "-m", "polytrain", "plan", *args], env=cli_env, capture_output=True,
-                          text=True, timeout=120)
+    text = run_here(capsys, "plan", *args)
     assert text.returncode == 0 and f"{expected['processes']} process(es)" in text.stdout
 
 

@@ -3,7 +3,9 @@
 A test marked ``serial`` (a Slurm cluster of its own, network namespaces, a bound on when a peer is declared
 lost) runs while no other test runs: every test holds a shared lock on one file for its whole protocol (setup,
 call, teardown), a ``serial`` one an exclusive lock. A turnstile lock in front keeps a waiting ``serial`` test
-from being overtaken by the next shared ones forever. Without xdist nothing is locked."""
+from being overtaken by the next shared ones forever. Consecutive serial tests on one worker (a serial module's,
+under ``--dist loadscope``) keep the exclusive lock from one to the next: the other worker's current test is
+waited for once, not before each of them. Without xdist nothing is locked."""
 
 from __future__ import annotations
 
@@ -19,18 +21,31 @@ class SuiteLock:
         directory.mkdir(parents=True, exist_ok=True)
         self._turnstile = os.open(directory / "polytrain-turnstile.lock", os.O_RDWR | os.O_CREAT, 0o600)
         self._tests = os.open(directory / "polytrain-serial.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._alone = False  # this worker holds the exclusive lock still, from the serial test before
 
     @contextlib.contextmanager
-    def held(self, alone: bool) -> Iterator[None]:
-        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+    def held(self, alone: bool, keep: bool = False) -> Iterator[None]:
+        """The lock for one test: shared, or exclusive where ``alone``; ``keep``: a serial test followed by
+        another serial one on this worker keeps the exclusive lock for it, so that the other worker's current
+        test is waited for once per run of serial tests, not once per test."""
+        if not (alone and self._alone):
+            if self._alone:  # (kept for a serial test that did not come)
+                self._release()
+            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+            self._alone = alone
         try:
             yield
         finally:
-            fcntl.flock(self._tests, fcntl.LOCK_UN)
+            if not (alone and keep):
+                self._release()
+
+    def _release(self) -> None:
+        fcntl.flock(self._tests, fcntl.LOCK_UN)
+        self._alone = False
 
 
 def suite_lock(config) -> SuiteLock | None:

@@ -105,9 +105,10 @@ def test_precision_and_activation_checkpointing_change_the_estimate():
     ("pipeline", dict(pp=2, split_at="blocks.1")),
     ("hybrid", dict(workers=4, pp=2, dp_shard=2, microbatches=2, split_at="blocks.1")),
     ("pipeline", dict(pp=2, tp=2, split_at="blocks.1")),
-], ids=["sync", "pipeline", "hybrid-dp-shard", "pipeline-tp"])
+    ("diloco", dict(workers=2, optimizer="sgd", sync_every=2)),  # (its anchor and outer momentum: local_state)
+], ids=["sync", "pipeline", "hybrid-dp-shard", "pipeline-tp", "diloco"])
 def test_the_plan_equals_what_a_run_measures(strategy, extra):
-    settings = dict(strategy=strategy, **extra, **LM)
+    settings = dict(strategy=strategy, **{**LM, **extra})
     planned = _estimate(**settings)
     summary = polytrain.fit(**settings, steps=4, progress="off", eval_every=0)
     measured = summary["rank_memory_bytes"]

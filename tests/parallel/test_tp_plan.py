@@ -83,7 +83,6 @@ def test_polytrain_plan_prints_the_tp_plan_on_the_mesh(capsys):
 def test_tp_layouts_and_settings_refused_before_launch():
     from polytrain.config import make_config
     from polytrain.distributed.topology import Topology
-    from polytrain.parallel.tp.config import TensorParallelConfig
     from polytrain.parallel.tp.strategy import TensorParallel
     from polytrain.train.run import layout_of
 

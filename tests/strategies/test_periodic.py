@@ -51,7 +51,7 @@ def test_sync_every_1_equals_sync_and_bytes_scale_with_h():
         for name in ("local-sgd", "diloco"):
             error = _relative_error(rank[name][0], reference)
             assert error < 1e-5, f"{name} --sync-every 1 is {error:.2e} from sync"
-        # H = 4 really trains apart between sync points (else the test above proves nothing about averaging)
+        # H = 4 really trains apart between meetings (else the test above proves nothing about averaging)
         assert _relative_error(rank["local-sgd-4"][0], reference) > 1e-4
     summaries = {name: ranks[0][name][1] for name in ranks[0]}
     payload = sum(p.numel() * 4 for p in reference.values())  # float32: the gradients sync all-reduces

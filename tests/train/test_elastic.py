@@ -68,7 +68,7 @@ def _workers_left() -> list[int]:
 def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_3_then_4_workers(tmp_path, monkeypatch,
                                                                                                   name):
     settings = {**BASE, **STRATEGIES[name]}
-    killed = draw(f"elastic[{name}]", 3, 8)  # a chosen step: inside a round or at a sync point for diloco
+    killed = draw(f"elastic[{name}]", 3, 8)  # a chosen step: inside a round or at a meeting for diloco
     monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
     monkeypatch.setenv(JOIN_AT_ENV, str(killed + 5))  # the replacement waits until then: 3 workers meanwhile
     summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", max_restarts=1,

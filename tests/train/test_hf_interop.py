@@ -25,9 +25,12 @@ def _saved(tmp_path, name, **run):
 
 
 @pytest.mark.parametrize("loss", ["task", "model"])
-def test_a_transformers_gpt2_trains_with_sync_equal_to_single(tmp_path, loss):
+def test_a_transformers_gpt2_trains_with_sync_equal_to_single(tmp_path, monkeypatch, loss):
     """--loss task scores the output's .logits with the lm task; --loss model takes GPT-2's own .loss,
-    given labels=. Either way two sync workers take single's steps."""
+    given labels=. Either way two sync workers take single's steps. The workers are forked from this process
+    (POLYTRAIN_START_METHOD=fork), which has imported transformers already: a worker from the forkserver would
+    import it anew (seconds each)."""
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     single, summary = _saved(tmp_path, "single", loss=loss, strategy="single", **RUN)
     sync, _ = _saved(tmp_path, "sync", loss=loss, strategy="sync", workers=2, **RUN)
     assert summary["steps"] == 10 and summary["train_loss"] < 5.3  # it learned (a uniform guess: ln 256 = 5.55)

@@ -8,7 +8,7 @@ from torch import nn
 
 import polytrain
 from polytrain.cli.train import format_summary
-from polytrain.train.memory import MemoryMeter, SavedTensors, peak_bytes, state_bytes, strategy_optimizers
+from polytrain.train.memory import MemoryMeter, SavedTensors, peak_bytes, state_bytes
 
 
 def test_saved_tensors_counts_what_backward_keeps_each_storage_once_and_no_parameter():
@@ -61,17 +61,10 @@ def test_state_bytes_counts_emptied_tensors_as_nothing_and_shared_storage_once()
     assert state_bytes(view_holder).parameters == 100 * 4
 
 
-def test_every_optimizer_a_strategy_holds_is_counted():
-    class Holder:
-        def __init__(self):
-            self.optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
-            self.outer = torch.optim.SGD([nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9)
-            self.other = "not an optimizer"
-
-    found = strategy_optimizers(Holder())
-    assert len(found) == 2
-    # the outer optimizer's parameter is not the model's: it counts as optimizer state (diloco's anchor)
-    assert state_bytes(nn.Linear(1, 1), found).optimizer == (3 + 4) * 4
+def test_the_copies_a_strategy_keeps_count_as_optimizer_state_once():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    anchor = torch.zeros(4)  # (diloco's anchor: not the model's parameters, kept besides them)
+    assert state_bytes(nn.Linear(1, 1), [optimizer], kept=[anchor, anchor[:2]]).optimizer == (3 + 4) * 4
 
 
 def test_the_meter_measures_the_steps_after_the_first():

@@ -15,6 +15,7 @@ from polytrain.data.batches import BatchPlan
 from polytrain.models import build_model
 from polytrain.train.session import seed_everything
 from tests.conftest import SRC
+from tests.helpers.cli_batch import run_here
 
 ROOT = os.path.dirname(SRC)
 OWN = "tests.train.lm_factories:own_loss_lm"
@@ -103,10 +104,12 @@ def _train(*args, timeout=300):
                           timeout=timeout)
 
 
-def test_the_opening_lines_say_which_loss(tmp_path):
-    text = ["--data", "text:seq_len=16", "--steps", "1", "--strategy", "single"]
-    model = _train("--model", OWN, "--loss", "model", *text)
-    task = _train("--model", OWN, *text)
+def test_the_opening_lines_say_which_loss(capsys):
+    """The command's main in this process (single trains in the command's own process)."""
+    text = ["--progress", "lines", "--eval-every", "0", "--batch-size", "8", "--data", "text:seq_len=16", "--steps",
+            "1", "--strategy", "single"]
+    model = run_here(capsys, "train", "--model", OWN, "--loss", "model", *text)
+    task = run_here(capsys, "train", "--model", OWN, *text)
     assert model.returncode == 0 and task.returncode == 0, model.stderr + task.stderr
     assert "loss: the model's own .loss, given labels=" in model.stdout + model.stderr
     assert "loss: the task's (lm) loss on the model's outputs" in task.stdout + task.stderr
@@ -117,8 +120,12 @@ def test_the_opening_lines_say_which_loss(tmp_path):
      "--loss model: the model returned no loss given labels= (Output without a .loss tensor)"),
     (TINY, ["--strategy", "single"], f"--loss model: the forward of --model {TINY} takes no labels= argument"),
 ])
-def test_a_model_without_its_own_loss_is_one_line(model, strategy, message):
-    proc = _train("--model", model, "--loss", "model", "--data", "text:seq_len=16", "--steps", "5", *strategy)
+def test_a_model_without_its_own_loss_is_one_line(capsys, model, strategy, message):
+    """Sync's workers find it at their first step (a command of its own); single trains in the command's own
+    process (its main here)."""
+    args = ["--model", model, "--loss", "model", "--data", "text:seq_len=16", "--steps", "5", *strategy]
+    proc = _train(*args) if "sync" in strategy else \
+        run_here(capsys, "train", "--progress", "lines", "--eval-every", "0", "--batch-size", "8", *args)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "step 1" not in proc.stdout  # nothing was trained

@@ -22,7 +22,7 @@ STRATEGIES = {
     # staleness 0: the server applies each step's slices in slice order, whichever worker computed them and
     # whenever they came, so two runs are the same bit for bit (rank 2 is the server)
     "async": dict(strategy="async", workers=2, servers=1, staleness=0),
-    # checkpoints at sync points (every 4 steps, H = 2); plain SGD: a checkpoint keeps rank 0's inner optimizer
+    # checkpoints at meetings (every 4 steps, H = 2); plain SGD: a checkpoint keeps rank 0's inner optimizer
     # state only, so inner momentum would differ after a resume
     "local-sgd": dict(strategy="local-sgd", workers=2, sync_every=2, momentum=0.0),
     "pipeline": dict(strategy="pipeline", stages=2, microbatches=2),
@@ -36,12 +36,32 @@ def _fit(tmp_path, name, settings, **more):
     return summary, torch.load(model, weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each strategy's uninterrupted run, made once for the module (a kill test compares with it): a function of
+    the strategy's name giving the run's directory and model. Sync's checkpoints by elapsed time (every log
+    point), asserted in test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank; a checkpoint changes
+    nothing in the training, so that run is the reference of the sync kill tests too."""
+    made = {}
+
+    def run(name):
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"whole-{name}")
+            more = dict(checkpoint_every=0, checkpoint_every_seconds=0.001, keep_checkpoints=100) \
+                if name == "sync" else {}
+            made[name] = out, _fit(out, "whole", STRATEGIES[name], **more)[1]
+        return made[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterrupted(tmp_path, monkeypatch, name):
+def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterrupted(tmp_path, monkeypatch, name,
+                                                                                      uninterrupted):
     settings = STRATEGIES[name]
     step = draw(f"restart[{name}]", 3, STEPS - 2)  # any step: before the first checkpoint too
     rank = 1  # a trainer rank
-    _, whole = _fit(tmp_path, "whole", settings)
+    _, whole = uninterrupted(name)
     monkeypatch.setenv(KILL_ENV, f"rank={rank},steps={step}")
     summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1)
     assert summary["steps"] == STEPS and summary["restarts"] == 1, f"killed after step {step}"
@@ -57,12 +77,13 @@ def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterr
     assert [r["event"] for r in records].count("restart") == 1
 
 
-def test_a_restart_resumes_from_the_snapshot_in_memory_and_the_model_ends_bit_for_bit(tmp_path, monkeypatch):
+def test_a_restart_resumes_from_the_snapshot_in_memory_and_the_model_ends_bit_for_bit(tmp_path, monkeypatch,
+                                                                                     uninterrupted):
     """--snapshot-every 2 without periodic checkpoints on disk: the restart resumes from the newest snapshot (the
     one being written when the worker died may not be whole: then the one before), and nothing is left in memory."""
     settings = dict(STRATEGIES["sync"], checkpoint_every=0)
     step = draw("snapshot", 5, STEPS - 2)
-    _, whole = _fit(tmp_path, "whole", settings)
+    _, whole = uninterrupted("sync")
     before = set(glob.glob("/dev/shm/polytrain-snapshot-*"))
     monkeypatch.setenv(KILL_ENV, f"rank=1,steps={step}")
     summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1, snapshot_every=2)
@@ -85,10 +106,9 @@ def test_restarts_run_out_and_the_last_failure_is_raised(tmp_path, monkeypatch):
         polytrain.fit(checkpoint_dir=str(tmp_path / "c"), max_restarts=1, **BASE, **STRATEGIES["sync"])
 
 
-def test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank(tmp_path):
-    summary, _ = _fit(tmp_path, "timed", STRATEGIES["sync"], checkpoint_every=0, checkpoint_every_seconds=0.001,
-                      keep_checkpoints=100)
-    saved = sorted(p.name for p in (tmp_path / "timed-ckpt").glob("step-*.pt"))
+def test_checkpoints_by_elapsed_time_land_on_log_points_on_every_rank(uninterrupted):
+    out, _ = uninterrupted("sync")  # --checkpoint-every-seconds 0.001, --keep-checkpoints 100
+    saved = sorted(p.name for p in (out / "whole-ckpt").glob("step-*.pt"))
     assert saved == [f"step-{s:08d}.pt" for s in range(2, STEPS + 1, 2)]  # every log point, and the end
 
 

@@ -8,33 +8,43 @@ import sys
 import pytest
 import torch
 
+import polytrain
 from polytrain.cli.train import format_summary
 
 COMMON = ["--strategy", "sync", "--workers", "2", "--model", "mlp:hidden=32", "--data", "digits", "--batch-size",
           "32", "--seed", "3", "--eval-every", "0", "--progress", "off"]
 
 
-def _train(env, tmp_path, name, *args):
-    proc = subprocess.run([sys.executable, "-m", "polytrain", "train", *COMMON, "--checkpoint-dir",
-                           str(tmp_path / "c"), "--metrics-file", str(tmp_path / f"{name}.jsonl"), "--save-model",
-                           str(tmp_path / f"{name}.pt"), *args], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    end = next(e for e in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
-               if e.get("event") == "end")
-    return proc.stdout, end, torch.load(tmp_path / f"{name}.pt", weights_only=True)
+def _end(tmp_path, name):
+    return next(e for e in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+                if e.get("event") == "end")
 
 
 def test_resuming_a_finished_sync_run_trains_nothing_and_says_so(cli_env, tmp_path):
-    _, first, weights = _train(cli_env, tmp_path, "first", "--epochs", "1")
+    """The first run through the API in this process (its workers from this process's forkserver); the two
+    resumed ones as commands."""
+    def paths(name):
+        return ["--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
+                "--save-model", str(tmp_path / f"{name}.pt")]
+
+    polytrain.fit(strategy="sync", workers=2, model="mlp:hidden=32", data="digits", batch_size=32, seed=3,
+                  eval_every=0, progress="off", epochs=1, checkpoint_dir=str(tmp_path / "c"),
+                  metrics_file=str(tmp_path / "first.jsonl"), save_model=str(tmp_path / "first.pt"))
+    first, weights = _end(tmp_path, "first"), torch.load(tmp_path / "first.pt", weights_only=True)
     steps, where = first["steps"], tmp_path / "c"
     assert steps > 5 and first["train_loss"] is not None
-    for name, args, warning in [
+    cases = [
         ("same", ["--epochs", "1"], f"at or past the end of --epochs 1 (step {steps}): nothing left to train (the "
                                     f"model stays at step {steps}); raise --epochs to train further"),
         ("fewer", ["--steps", "5"], f"at or past --steps 5: nothing left to train (the model stays at step {steps}); "
                                     "raise --steps to train further"),
-    ]:
-        out, end, kept = _train(cli_env, tmp_path, name, "--resume", *args)
+    ]
+    for name, args, warning in cases:
+        proc = subprocess.run([sys.executable, "-m", "polytrain", "train", *COMMON, *paths(name), "--resume", *args],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        end, kept = _end(tmp_path, name), torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        out = proc.stdout
         lines = out.splitlines()
         assert [line for line in lines if "nothing left" in line] == \
             [f"warning: --resume: the checkpoint in {where} is at step {steps}, {warning}"], out

@@ -21,6 +21,7 @@ from polytrain.models.transformer_lm import transformer_lm
 from polytrain.train.run import check
 from polytrain.train.trainer import Trainer
 from polytrain.train.unit_options import UnitConfig, apply_unit_options, check_model_units, is_checkpointed
+from tests.helpers.cli_batch import run_here
 from tests.helpers.spawn import spawn
 
 # dropout on: checkpointing must replay the same masks in backward
@@ -188,7 +189,7 @@ def _initial(run: dict, bundle) -> dict[str, torch.Tensor]:
     return Trainer(make_config(**{**run, "steps": 1}), Topology(), data=bundle).session.strategy.module.state_dict()
 
 
-def test_bad_values_are_one_line_before_anything_starts(cli_env, python):
+def test_bad_values_are_one_line_before_anything_starts(capsys):
     for value, says in [("every:0", "'every:0': K must be >= 1 (every:1 is full), got 0"),
                         ("every:x", "'every:x': K must be a whole number >= 1, got 'x'"),
                         ("sometimes", "unknown value 'sometimes'; accepted: full, every:K (K >= 1: every K-th unit), "
@@ -196,8 +197,7 @@ def test_bad_values_are_one_line_before_anything_starts(cli_env, python):
         with pytest.raises(ConfigError) as raised:
             make_config(activation_checkpointing=value)
         assert str(raised.value) == f"--activation-checkpointing: {says}"
-    done = subprocess.run([python, "-m", "polytrain", "train", "--activation-checkpointing", "every:0"],
-                          env=cli_env, capture_output=True, text=True, timeout=60)
+    done = run_here(capsys, "train", "--activation-checkpointing", "every:0")  # refused before launch
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == "polytrain: error: --activation-checkpointing: 'every:0': K must be >= 1 (every:1 " \
                                   "is full), got 0"

@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from polytrain.cli.train import config_from
-    from polytrain.strategies.base import registered, strategy_class
+    from polytrain.strategies.registry import registered, strategy_class
     from polytrain.strategies.settings import check_settings_read
     from polytrain.parallel.memory_plan import estimate_memory
     from polytrain.parallel.degrees import order
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     traced_split = _traced_split(config, layout)  # a model the tracer cuts: where, and what each stage holds
     tp_plan = _tp_plan(config, layout)
     memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
-    steps = order(dict(layout.axes), strategy_class(config, layout).meeting, config.units)
+    steps = order(dict(layout.axes), strategy_class(config, layout).traits.meeting, config.units)
     if getattr(args, "json", False):
         print(json.dumps({"layout": layout.as_dict(), "order": [s.strip() for s in steps],
                           **({"pipeline": schedule} if schedule else {}),
@@ -97,7 +97,8 @@ def _tp_plan(config: Any, layout: Any) -> tuple[Any, Any] | None:
     axis; checked as train checks it (one line if it cannot split the model)."""
     if layout.axis("tp") == 1:
         return None
-    from polytrain.parallel.tp.strategy import check_tp, meta_model
+    from polytrain.models.registry import meta_model
+    from polytrain.parallel.tp.strategy import check_tp
 
     model = meta_model(config)
     plan = check_tp(config, model, layout.axis("tp"))

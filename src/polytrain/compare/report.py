@@ -185,7 +185,7 @@ def format_text(doc: dict[str, Any]) -> str:
 def format_markdown(doc: dict[str, Any]) -> str:
     columns = _columns(doc["rows"])
     head = [h for _, h, _ in columns]
-    lines = [f"# polytrain compare", "", *(f"{line}  " for line in _heading(doc)), "",
+    lines = ["# polytrain compare", "", *(f"{line}  " for line in _heading(doc)), "",
              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(_cells(r, columns)) + " |" for r in doc["rows"]]
     lines += [""] + [f"- {n}" for n in doc["notes"]]

@@ -110,7 +110,7 @@ class CompareConfig:
         goes to that strategy's cases only, where a run would refuse it."""
         from polytrain.config import all_options
         from polytrain.strategies import get_strategy
-        from polytrain.strategies.base import registered
+        from polytrain.strategies.registry import registered
         from polytrain.strategies.settings import readers
 
         own = get_strategy(strategy).config_section

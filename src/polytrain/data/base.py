@@ -47,13 +47,26 @@ class DataBundle:
     document_end: int | None = None
 
     @property
+    def streamed(self) -> bool:
+        """Whether the training split is a stream (read as training goes: no length, no indexing)."""
+        return not hasattr(self.train, "__len__")
+
+    def shape_example(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training example (input, target), for what needs its shapes and dtypes only (a stream's: zeros
+        of its rows' shape, nothing read)."""
+        if self.streamed:
+            row = torch.zeros(self.seq_len or 1, dtype=torch.int64)
+            return row, row
+        return self.train[0]
+
+    @property
     def num_outputs(self) -> int:
         """Width of the model's last layer."""
         return 1 if self.task == "binary" else self.num_classes
 
     def describe(self) -> str:
         test = len(self.test) if self.test is not None else 0
-        if self.task == "lm" and not hasattr(self.train, "__len__"):  # a stream
+        if self.task == "lm" and self.streamed:
             return (f"{self.name}: {self.train.describe()}, vocabulary {self.vocab_size}; {test} test sequences")
         if self.task == "lm":
             packed = getattr(self.train, "efficiency", None) if self.document_end is not None else None

@@ -82,6 +82,13 @@ class TokenStream:
                 chunk_rows=min(documents.CHUNK_ROWS, max(1, rows // target)))
         return self._chunks[lanes]
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest id the tokenizer makes (the stream is not read to find the largest it holds)."""
+        encoder = cached_tokenizer(self.tokenizer)
+        assert encoder is not None
+        return encoder.vocab_size - 1
+
     def describe(self) -> str:
         return (f"streamed, rows of {self.seq_len} tokens" + (" (documents masked apart)" if self.pack else "") +
                 f", {self.lanes or 'one a data-parallel rank'} lanes")

@@ -168,20 +168,12 @@ def check_lora(config: Any, model: nn.Module | None = None) -> LoraSpec | None:
     if settings.merge_lora and not config.train.save_model:
         raise ConfigError("--merge-lora writes the merged model with --save-model DIR; give --save-model DIR")
     if model is None and config.model.model != "auto":
-        model = _meta_model(config)
+        from polytrain.models.registry import meta_model
+
+        model = meta_model(config)
     if model is not None:
         peft_config(spec, model)
     return spec
-
-
-def _meta_model(config: Any) -> nn.Module | None:
-    from polytrain.models.registry import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
-    except Exception:  # noqa: BLE001 - the factory needs the real data shape, or loads weights: the workers check
-        return None
 
 
 def apply_lora(model: nn.Module, text: str | None) -> nn.Module:

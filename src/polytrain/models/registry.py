@@ -112,3 +112,15 @@ class ModelConfig:
                                          "and *.safetensors), a polytrain --checkpoint-dir (its newest good "
                                          "checkpoint) or a state_dict file (.pt, .safetensors); each rank reads only "
                                          "the tensors and rows it holds", metavar="PATH")
+
+
+def meta_model(config: Any) -> nn.Module | None:
+    """``config``'s model built on the meta device (no memory), for the checks before launch; None where the
+    factory needs the data's real shape (the workers check it then)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
+    except Exception:  # noqa: BLE001 - the factory needs the data's real shape: the workers check it
+        return None

@@ -30,16 +30,18 @@ from torch import nn
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
-from polytrain.parallel.dtensor import clip, load_whole, whole_state
+from polytrain.parallel.dtensor import clip, load_whole, local, whole_state
 from polytrain.parallel.tp.plan import plan_for
 from polytrain.parallel.tp.strategy import check_tp
 from polytrain.precision import Amp, refuse_loss_scaling
-from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
+from polytrain.strategies.base import Strategy, check_batch
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
 from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
 from polytrain.models.parts import retie, unit_groups, units
-from polytrain.train.held import HeldState
+from polytrain.strategies.held import HeldState
 
 
 @register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
@@ -56,14 +58,12 @@ class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     summary = "sharded data parallel (FSDP2): each worker a slice of every batch and 1/N of the model's state"
     config_section = "fsdp"
-    own_precision = ("bf16-mixed",)  # FSDP2's MixedPrecisionPolicy (see _policy)
-    lost_worker = ("keeps each parameter and optimizer shard on one worker only, so a dead worker's shards are "
-                   "gone")
-    exchange = "sync"
-    meeting = "gradients averaged every step"
-    fills = "dp_shard"
-    cuts = ("dp_shard", "tp")  # --tp: each unit's plan layers split over tp first, then sharded (FSDP x TP, 2-D)
-    also_reads = ("tp",)  # --tp-plan
+    # bf16-mixed: FSDP2's MixedPrecisionPolicy (see _policy); --tp: each unit's plan layers split over tp first,
+    # then sharded (FSDP x TP, 2-D), reading --tp-plan
+    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills="dp_shard",
+                    cuts=("dp_shard", "tp"), own_precision=("bf16-mixed",), reads=("tp",),
+                    lost_worker="keeps each parameter and optimizer shard on one worker only, so a dead worker's "
+                                "shards are gone")
     _max_norm: float | None = None
 
     @classmethod
@@ -101,7 +101,7 @@ class FullyShardedDataParallel(Strategy):
         root = {**policy, "mp_policy": self._policy(root=True)["mp_policy"]} if policy else {}
         model = shard_model(model, self.topology, mesh, bool(self.options.reshard_after_forward), policy, root,
                             split=(lambda name, unit: plan.apply(unit, tp, name)) if plan is not None else None)
-        self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        self._param_bytes = sum(local(p).numel() * p.element_size() for p in model.parameters())
         if mesh.ndim == 1 and tp is None:  # checkpoints in parts: each rank writes its shards (rows over one axis)
             self.sharded_state = _Shards(self)
             self.held_state = HeldState(self)  # ... and reads only its rows of any checkpoint
@@ -138,7 +138,7 @@ class FullyShardedDataParallel(Strategy):
                                                   output_dtype=output)}
 
     def _own_precision(self) -> bool:
-        return self.recipe.precision.name in self.own_precision and self.topology.distributed
+        return self.recipe.precision.name in self.traits.own_precision and self.topology.distributed
 
     def _precision_runtime(self) -> Amp:
         """The shared step's autocast and scaler, except for the mode the policy carries out (one process, which
@@ -301,10 +301,6 @@ def _gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 

@@ -45,8 +45,6 @@ from polytrain.devices.discovery import format_bytes
 from polytrain.distributed.layout import Layout
 from polytrain.train.memory import SavedTensors
 
-#: the strategies whose estimate is their own (any other is estimated as a data-parallel one)
-_KNOWN = ("single", "sync", "local-sgd", "diloco", "fsdp", "tp", "pipeline", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -199,8 +197,10 @@ class _Inputs:
 
 def _sample(data: Any) -> _Inputs:
     dataset = data.train
-    count = min(2, len(dataset))
-    if hasattr(dataset, "get_batch"):
+    count = 1 if data.streamed else min(2, len(dataset))
+    if data.streamed:  # (rows of seq_len tokens: nothing is read for their shape)
+        x, y = (t.unsqueeze(0) for t in data.shape_example())
+    elif hasattr(dataset, "get_batch"):
         x, y = dataset.get_batch(torch.arange(count), 0)
     else:
         x, y = torch.utils.data.default_collate([dataset[i] for i in range(count)])
@@ -330,7 +330,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     from polytrain.errors import PolytrainError
     from polytrain.models.registry import build_model
     from polytrain.precision import cast_model, precision_of
-    from polytrain.strategies.base import strategy_class
+    from polytrain.strategies.registry import strategy_class
     from polytrain.tasks import get_task
     from polytrain.train.optim import build_optimizer
     from polytrain.train.unit_options import chosen_units
@@ -352,7 +352,8 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
                                       f"{exc}); the run itself is not affected")
     try:
         precision = precision_of(config)
-        model = cast_model(model, precision, strategy_class(config, layout).own_precision)
+        traits = strategy_class(config, layout).traits
+        model = cast_model(model, precision, traits.own_precision)
         forward = _Forward(precision.autocast_dtype,
                            tuple(n for n, _ in chosen_units(model, config.units.activation_checkpointing)))
         notes = []
@@ -367,7 +368,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
         optimizers = {size: probe_optimizer(lambda ps: build_optimizer(ps, config.optim, config.optim.lr), dtype)
                       for size, dtype in dtypes.items()}
         context = _Context(config, layout, model, tensors, optimizers, _sample(data), get_task(data.task), device,
-                           _data_bytes(data), name, forward, notes)
+                           _data_bytes(data), name, traits, forward, notes)
         ranks, micro, rule, notes = context.ranks()
     except PolytrainError as exc:  # what the run itself refuses (too few units for the stages, ...)
         return MemoryEstimate(strategy, model=name, limit=limit, skipped=str(exc))
@@ -392,6 +393,7 @@ class _Context:
     device: torch.device
     data: int | None
     name: str
+    traits: Any  # the running strategy's (polytrain.strategies.traits.Traits): the copies it keeps, ...
     forward: _Forward = _Forward()
     notes: list[str] = field(default_factory=list)
 
@@ -486,9 +488,9 @@ class _Context:
         return out
 
     def _strategy_copies(self, row: RankMemory, tensors: list[_Tensor], shard: int, index: int) -> RankMemory:
-        """``row`` with the copies of the parameters the strategy keeps: diloco's anchor (every parameter) and
-        outer momentum (the trained ones), of this rank's shard."""
-        if self.layout.strategy != "diloco":
+        """``row`` with the copies of the parameters the strategy keeps (``traits.copies``): an anchor (diloco's:
+        every parameter) and its outer momentum (the trained ones), of this rank's shard."""
+        if "anchor" not in self.traits.copies:
             return row
         params = [t for t in tensors if t.name in self._param_names]
         outer = self.config.periodic.outer_momentum
@@ -501,10 +503,10 @@ class _Context:
 
     def _strategy_notes(self) -> None:
         strategy = self.layout.strategy
-        if strategy == "diloco":
-            self.notes.append("diloco's optimizer column includes its anchor (a copy of the parameters) and the "
-                              "outer momentum")
-        elif strategy not in _KNOWN:
+        if "anchor" in self.traits.copies:
+            self.notes.append(f"{strategy}'s optimizer column includes its anchor (a copy of the parameters) and "
+                              "the outer momentum")
+        elif not self.traits.exchange and self.layout.processes > 1:  # a strategy of one's own
             self.notes.append(f"--strategy {strategy} is estimated as a data-parallel one: each trainer holds the "
                               "whole model")
 

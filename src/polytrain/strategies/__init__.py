@@ -7,7 +7,8 @@ from polytrain.parallel import pp  # noqa: F401  (pipeline, hybrid)
 from polytrain.parallel import fsdp  # noqa: F401  (fsdp)
 from polytrain.parallel import tp  # noqa: F401  (tp)
 from polytrain.strategies.ps import strategy as _ps  # noqa: F401  (async)
-from polytrain.strategies.base import Strategy, available_strategies, get_strategy, register_strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.registry import available_strategies, get_strategy, register_strategy
 
 #: what ``polytrain train`` uses without --strategy
 DEFAULT_STRATEGY = "sync"

@@ -1,4 +1,5 @@
-"""The Strategy protocol: a dozen members every strategy has, and capabilities some have.
+"""The Strategy protocol: the members every strategy has (``tests/strategies/test_protocol.py`` counts them), and
+capabilities some have.
 
 A strategy owns everything that differs between ways of training one model over processes and devices.
 
@@ -8,8 +9,9 @@ A strategy owns everything that differs between ways of training one model over 
 * In every process: :meth:`prepare` (the model moved, wrapped or cut, and the optimizer over what this rank
   updates), :meth:`train_step` (micro-batches, forward, backward, exchange, update), :meth:`eval_step`,
   :meth:`state_dict`/:meth:`load_state_dict` (the whole model and optimizer as ``single`` saves them,
-  loadable by any strategy), :meth:`finish`, :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics`
-  (numbers of its own for the step records and the summary) and :attr:`module` (the plain model).
+  loadable by any strategy), :meth:`local_state` (this rank's own, without a collective), :meth:`finish`,
+  :meth:`describe`, :meth:`take_metrics`/:meth:`summary_metrics` (numbers of its own for the step records and
+  the summary) and :attr:`module` (the plain model).
 
 What only some strategies do is a *capability*: an object attribute, ``None`` where unsupported, which the
 trainer asks for instead of asking which strategy it has or what role a rank plays:
@@ -25,7 +27,7 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
 * :attr:`held_state`: what this rank holds of the model and optimizer (a whole replica, or ``DTensor`` shards)
   is the run's state itself, its optimizer a ``torch.optim`` one over the model's parameters in ``single``'s
   order (``single``, ``sync``, ``fsdp``, ``tp``): a resume reads into it only the rows this rank holds
-  (``held_state.load(checkpoint)``, :mod:`polytrain.train.held`; ``held_state.by_rows`` False: rank 0 reads
+  (``held_state.load(checkpoint)``, :mod:`polytrain.strategies.held`; ``held_state.by_rows`` False: rank 0 reads
   and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
   one tensor at a time (:mod:`polytrain.weights.save`).
 
@@ -37,8 +39,6 @@ Strategies are chosen by name (``--strategy sync``) or as ``package.module:Class
 from __future__ import annotations
 
 import contextlib
-import difflib
-import importlib
 from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 
 import torch
@@ -50,11 +50,12 @@ from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
 from polytrain.models.deferred import materialize_all
 from polytrain.options import section_defaults
-from polytrain.parallel.degrees import Degrees, fill_of, given_degrees, resolve
+from polytrain.parallel.degrees import given_degrees
 from polytrain.phases import phase
 from polytrain.precision import Amp
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
+from polytrain.strategies.traits import Traits
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 #: what ``polytrain train`` uses without ``--workers`` (a data-parallel strategy's process count)
@@ -112,23 +113,10 @@ class Strategy:
     summary: ClassVar[str] = ""
     #: the RunConfig section holding this strategy's own options (registered with ``register_section``)
     config_section: ClassVar[str] = ""
-    #: the ``--precision`` modes this strategy carries out itself (FSDP's ``MixedPrecisionPolicy``, say): for
-    #: them the run casts nothing and :attr:`amp` adds no autocast and no loss scaler; the strategy reads
-    #: ``recipe.precision`` in :meth:`prepare`. Every other mode the base class runs (:mod:`polytrain.precision`)
-    own_precision: ClassVar[tuple[str, ...]] = ()
-    #: why the survivors of a lost worker cannot go on without it under ``--on-failure continue``; None where
-    #: they can (each rank a whole replica of the model and optimizer, the exchange rebuilt over fewer ranks)
-    lost_worker: ClassVar[str | None] = "does not keep a whole replica of the model and optimizer on every rank"
-    #: how the replicas meet (``sync``: every step; the strategies of one exchange run each other's degrees)
-    exchange: ClassVar[str] = ""
-    #: what the replicas exchange, in words (``polytrain plan``)
-    meeting: ClassVar[str] = "nothing (one process)"
-    #: the degree ``--workers`` fills (None: the processes are the product of the degrees, ``pipeline``)
-    fills: ClassVar[str | None] = "dp_replicate"
-    #: the axes over which this class cuts one replica (dp_shard, pp, tp), besides the replicas themselves
-    cuts: ClassVar[tuple[str, ...]] = ()
-    #: degrees where the settings name none (``pipeline``: 2 stages)
-    degrees: ClassVar[dict[str, int]] = {}
+    #: what the strategy is, declared once (:class:`~polytrain.strategies.traits.Traits`): how its replicas meet,
+    #: the degrees it takes and fills, the ``--precision`` modes it carries out itself (it reads
+    #: ``recipe.precision`` in :meth:`prepare`; every other mode the base class runs), what a lost worker means
+    traits: ClassVar[Traits] = Traits()
 
     def __init__(self, topology: Topology, options: Any = None, layout: Layout | None = None):
         self.options = options if options is not None else section_defaults(self.config_section)
@@ -256,6 +244,14 @@ class Strategy:
         assert self.optimizer is not None
         return {"model": self.module.state_dict(), **({"optimizer": self.optimizer.state_dict()} if optimizer else {})}
 
+    def local_state(self) -> dict[str, Any]:
+        """This rank's own model and optimizer state, live tensors, no collective (``{"model": ...,
+        "optimizer": ...}``, and what the strategy keeps besides: diloco's ``outer``, its anchor and outer
+        optimizer): what a rank hands a peer under ``--on-failure continue``, and what its memory meter counts.
+        :meth:`load_state_dict` takes it back."""
+        assert self.optimizer is not None
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (every rank gets the same ``state``)."""
         assert self.optimizer is not None
@@ -294,9 +290,9 @@ class Strategy:
 
     def _precision_runtime(self) -> Amp:
         """This rank's :class:`~polytrain.precision.Amp` for ``recipe.precision``: inactive for a mode this
-        strategy carries out itself (:attr:`own_precision`)."""
+        strategy carries out itself (``traits.own_precision``)."""
         precision = self.recipe.precision
-        return Amp(precision, self.topology.device, active=precision.name not in self.own_precision)
+        return Amp(precision, self.topology.device, active=precision.name not in self.traits.own_precision)
 
     def _take_wait(self) -> float:
         """Seconds this rank spent waiting for other ranks in the step just taken (for per-rank throughput)."""
@@ -323,51 +319,6 @@ def data_slice(strategy: Strategy) -> Slice:
     return Slice(strategy.trainers.axis_rank("dp"), strategy.trainers.axis_size("dp"))
 
 
-def degrees_of(cls: type[Strategy], workers: int | None, options: Any = None) -> Degrees:
-    """The degrees of ``--strategy cls.name`` for ``--workers`` (None: not given) and the degrees its options
-    name (:mod:`polytrain.parallel.degrees`)."""
-    given = {**cls.degrees, **{axis: size for axis, size in given_degrees(options).items() if size is not None}}
-    return resolve(fill_of(cls.fills, options), workers, given, DEFAULT_WORKERS, cls.name)
-
-
-def mesh_layout(cls: type[Strategy], workers: int | None, options: Any = None, meets_every: int = 1) -> Layout:
-    """The layout of a strategy of the mesh: one trainer rank per point of ``dp_replicate x dp_shard x pp x
-    tp``, run by the class of its exchange that cuts a replica as the degrees say (:func:`runner_for`)."""
-    degrees = degrees_of(cls, workers, options)
-    runner = runner_for(cls, degrees)
-    return Layout(runner.name, ("trainer",) * degrees.world, degrees.axes(), degrees.dp, meets_every=meets_every,
-                  named=cls.name if runner is not cls else "")
-
-
-def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
-    """The class that runs ``degrees`` for ``--strategy cls.name``: ``cls`` where it cuts a replica over every
-    axis the degrees cut, else the registered class of the same exchange that does with the fewest axes
-    (``--strategy sync --dp-shard 4``: fsdp). One ConfigError line where none does."""
-    cut = set(degrees.cut())
-    if cut <= set(cls.cuts):
-        return cls
-    found = [c for c in _REGISTRY.values() if cls.exchange and c.exchange == cls.exchange and cut <= set(c.cuts)]
-    if found:
-        return min(found, key=lambda c: (len(c.cuts), c.fills is None, c.name))
-    given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut() if a not in cls.cuts)
-    takes = ", ".join(f"--{a.replace('_', '-')}" for a in cls.cuts) or "none: each replica whole on one rank"
-    raise ConfigError(f"--strategy {cls.name} with {given}: not supported (the axes it cuts a replica over: "
-                      f"{takes}); drop {given.split(' ')[0]}, or use --strategy sync for the degrees")
-
-
-def strategy_class(config: Any, layout: Layout | None = None, processes: int | None = None) -> type[Strategy]:
-    """The class that runs ``config``'s ``--strategy``: the one named, or the one the job's ``layout`` says runs
-    its degrees (``sync --dp-shard 4``: fsdp); without a layout, the one that lays out ``processes``."""
-    from polytrain.strategies.settings import options_of
-
-    named = get_strategy(config.train.strategy)
-    if layout is None and processes is not None:
-        layout = layout_for(named, processes, options_of(config, named))
-    if layout is not None and layout.named == named.name and layout.strategy != named.name:
-        return get_strategy(layout.strategy)
-    return named
-
-
 def layout_for(cls: type[Strategy], processes: int, options: Any = None) -> Layout:
     """The layout of ``cls`` that has ``processes`` processes (for a strategy made in a process group of that
     size, or under torchrun): the one for the largest ``--workers`` that gives it."""
@@ -377,52 +328,3 @@ def layout_for(cls: type[Strategy], processes: int, options: Any = None) -> Layo
             return layout
     raise ConfigError(f"--strategy {cls.name} cannot lay out {processes} process(es) "
                       f"(with these settings it takes {cls.layout(None, options).processes})")
-
-
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        taken = _REGISTRY[cls.name]
-        raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
-                         f"give {cls.__module__}.{cls.__qualname__} another name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available_strategies() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def registered() -> dict[str, type[Strategy]]:
-    """Every registered strategy by name."""
-    return dict(_REGISTRY)
-
-
-def get_strategy(name: str) -> type[Strategy]:
-    """The strategy registered as ``name``, or the class ``package.module:Class`` (imported, so a strategy
-    defined in your own module works in every spawned worker too)."""
-    if ":" in name:
-        return _import_strategy(name)
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
-                          f"{', '.join(available_strategies())}, or package.module:Class") from None
-
-
-def _import_strategy(spec: str) -> type[Strategy]:
-    module_name, _, attr = spec.partition(":")
-    try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--strategy {spec}: cannot import it ({exc})") from None
-    if not (isinstance(found, type) and issubclass(found, Strategy)):
-        raise ConfigError(f"--strategy {spec}: not a polytrain.Strategy subclass")
-    return found

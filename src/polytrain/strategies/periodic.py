@@ -5,29 +5,29 @@ exchanging nothing; every ``--sync-every H`` global steps the workers all-reduce
 trainers' process group (no DDP, no per-step exchange), which is H times fewer bytes than ``sync``:
 
 * ``local-sgd`` (Stich 2019; Lin et al. 2020) replaces every replica by the average.
-* ``diloco`` (Douillard et al. 2023) keeps the parameters of the last sync point (the *anchor*), takes
+* ``diloco`` (Douillard et al. 2023) keeps the parameters of the last meeting (the *anchor*), takes
   ``delta = anchor - average`` as a gradient and steps the anchor with outer SGD with Nesterov momentum
   (``--outer-lr``, ``--outer-momentum``); every worker starts the next round from the new anchor.
 
 With H = 1 and inner plain SGD both equal ``sync`` (the average of N steps from one point is one step along
 the averaged gradient; diloco with outer lr 1 and no momentum lands on that average). Floating-point
-buffers (BatchNorm statistics) are averaged at each sync point too; clipping (``--clip-grad-norm``) clips
+buffers (BatchNorm statistics) are averaged at each meeting too; clipping (``--clip-grad-norm``) clips
 each worker's own gradient, since there is no global one.
 
 Sync points are the global steps that are multiples of H, counted from step 0, so a resumed run meets at
-the same steps as an uninterrupted one. Between sync points the replicas differ: evaluation scores each
+the same steps as an uninterrupted one. Between meetings the replicas differ: evaluation scores each
 worker's replica on its slice of the test set, and the whole model that is saved (checkpoint, --save-model)
-is the average of the replicas (one extra all-reduce; at a sync point they are already equal). A
+is the average of the replicas (one extra all-reduce; at a meeting they are already equal). A
 checkpoint also holds rank 0's inner optimizer state (loaded by every worker on resume: the others' inner
 momentum is not kept) and, for diloco, the anchor and the outer momentum. Resuming mid-round therefore
 starts every worker from the average of the replicas at the checkpoint, with the round's anchor, so the
-next outer step still measures the change since the last sync point.
+next outer step still measures the change since the last meeting.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +40,9 @@ from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.phases import phase
-from polytrain.strategies.base import Strategy, mesh_layout, register_strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
 from polytrain.strategies.step import StepResult
 from polytrain.strategies.streaming import QUANTIZE_CHOICES, OuterExchange
 from polytrain.parallel.dtensor import average, full, like, load_whole, local, shard_of, whole_state
@@ -121,12 +123,12 @@ class PeriodicConfig:
 @register_strategy
 class LocalSGD(Strategy):
     name = "local-sgd"
-    lost_worker = None  # --on-failure continue: every rank a whole replica (and diloco's)
     summary = "local SGD: each worker its own optimizer on its slice, parameters averaged every --sync-every H steps"
     config_section = "periodic"
-    cuts = ("dp_shard",)  # a replica may be fsdp-sharded: the replicas then meet on each rank's shard
-    exchange = "local-sgd"
-    meeting = "parameters averaged every --sync-every H steps"
+    # a replica may be fsdp-sharded: the replicas then meet on each rank's shard; --on-failure continue: every
+    # rank a whole replica (and diloco's)
+    traits = Traits(exchange="local-sgd", meeting="parameters averaged every --sync-every H steps",
+                    cuts=("dp_shard",), lost_worker=None)
 
     def __init__(self, topology: Any, options: PeriodicConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)
@@ -187,17 +189,18 @@ class LocalSGD(Strategy):
             with torch.no_grad(), self.phase("sync"), phase("exchange"):
                 self._meet()
             self._dirty = False
-            # the sync point's all-reduce: exchanging parameters and waiting for the slowest worker's round
+            # the meeting's all-reduce: exchanging parameters and waiting for the slowest worker's round
             result.wait_s += time.perf_counter() - started
         return result
 
     def _meet(self) -> None:
-        """The sync point: every replica becomes the average."""
+        """The meeting: every replica becomes the average."""
         self._average_into(self._synced(self.module))
 
     def _synced(self, model: nn.Module) -> list[torch.Tensor]:
-        """What meets at a sync point: the parameters and the floating-point buffers (BatchNorm statistics;
-        integer ones such as its step counter are equal on every worker anyway), each rank's shard of them."""
+        """What the replicas exchange at a meeting: the parameters and the floating-point buffers (BatchNorm
+        statistics; integer ones such as its step counter are equal on every worker anyway), each rank's shard of
+        them."""
         return [local(t) for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
 
     def _average_into(self, tensors: list[torch.Tensor]) -> None:
@@ -235,8 +238,8 @@ class LocalSGD(Strategy):
 @register_strategy
 class Diloco(LocalSGD):
     name = "diloco"
-    exchange = "diloco"
-    meeting = "an outer Nesterov SGD step on the averaged change every --sync-every H steps"
+    traits = replace(LocalSGD.traits, exchange="diloco", copies=("anchor",),
+                     meeting="an outer Nesterov SGD step on the averaged change every --sync-every H steps")
     summary = ("DiLoCo: each worker its own (inner) optimizer on its slice; every --sync-every H steps an outer "
                "Nesterov SGD step on the averaged parameter change")
 
@@ -337,6 +340,10 @@ class Diloco(LocalSGD):
             if self.exchange is not None and self.exchange.errors:
                 state["outer"]["exchange"] = self.exchange.state()
         return state
+
+    def local_state(self) -> dict[str, Any]:
+        assert self.outer is not None
+        return {**super().local_state(), "outer": {"anchor": list(self._anchor), "optimizer": self.outer.state_dict()}}
 
     def _whole_outer(self) -> dict[str, Any]:
         """The anchor and the outer optimizer's state, each shard gathered whole (a collective over dp_shard)."""

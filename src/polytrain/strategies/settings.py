@@ -72,7 +72,7 @@ def _flag(key: str, value: Any) -> str:
 
 class Sections:
     """A strategy's options when it reads more than its own section: its own (``config_section``) and the
-    sections named by its class attribute ``also_reads`` (``pipeline`` and ``hybrid``: ``tp``, the settings
+    sections named in its ``traits.reads`` (``pipeline`` and ``hybrid``: ``tp``, the settings
     of their tp axis), read as one: an attribute is looked up in the own section first."""
 
     def __init__(self, own: Any, *more: Any):
@@ -92,8 +92,8 @@ class Sections:
 
 def options_of(config: Any, strategy_cls: Any) -> Any:
     """The options a strategy of class ``strategy_cls`` reads: its own config section (None if it has none),
-    with the sections it also reads (``also_reads``) and the degrees of the mesh (``--dp-replicate`` ...
+    with the sections it also reads (``traits.reads``) and the degrees of the mesh (``--dp-replicate`` ...
     ``--tp``: :mod:`polytrain.parallel.degrees`)."""
     own = getattr(config, strategy_cls.config_section, None) if strategy_cls.config_section else None
-    more = [getattr(config, name) for name in (*getattr(strategy_cls, "also_reads", ()), "parallel")]
+    more = [getattr(config, name) for name in (*strategy_cls.traits.reads, "parallel")]
     return Sections(own, *more) if own is not None else Sections(*more)

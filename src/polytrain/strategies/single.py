@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.strategies.base import Strategy, register_strategy
-from polytrain.train.held import HeldState
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.registry import register_strategy
+from polytrain.strategies.held import HeldState
 
 
 @register_strategy

@@ -27,7 +27,7 @@ class StepRecipe:
     ``accumulate`` micro-batches, clipping of the *global* gradient's norm (after the exchange), and whose
     loss is minimised (``loss``: ``task``, the task's loss on the model's outputs, or ``model``, the
     model's own ``.loss`` given ``labels=``), and in what ``precision`` (``--precision``: the strategy runs it
-    through its ``amp``, unless it lists the mode in its ``own_precision`` and carries it out itself)."""
+    through its ``amp``, unless it lists the mode in its ``traits.own_precision`` and carries it out itself)."""
 
     task: Any = None
     accumulate: int = 1

@@ -37,8 +37,10 @@ from polytrain.options import option, register_section
 from polytrain.phases import interval, phase
 from polytrain.distributed.layout import Layout
 from polytrain.strategies.balance import Balancer, BalancePolicy
-from polytrain.strategies.base import Strategy, data_slice, mesh_layout, register_strategy
-from polytrain.train.held import HeldState
+from polytrain.strategies.base import Strategy, data_slice
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
+from polytrain.strategies.held import HeldState
 from polytrain.strategies.compress import CHOICES as COMPRESS_CHOICES, check_compress, make_hook, parse_compress
 from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -71,11 +73,10 @@ class SyncConfig:
 @register_strategy
 class SyncDataParallel(Strategy):
     name = "sync"
-    lost_worker = None  # --on-failure continue: every rank a whole replica
     summary = "synchronous data parallel: each worker a slice of the global batch, gradients all-reduced"
     config_section = "sync"
-    exchange = "sync"
-    meeting = "gradients averaged every step"
+    # --on-failure continue: every rank a whole replica
+    traits = Traits(exchange="sync", meeting="gradients averaged every step", lost_worker=None)
 
     def __init__(self, topology: Any, options: SyncConfig | None = None, layout: Layout | None = None):
         super().__init__(topology, options, layout)

@@ -152,7 +152,7 @@ def _check_target(bundle: DataBundle, y: torch.Tensor, where: str) -> None:
     if len(low) and int(low.min()) < 0:
         raise DataError(f"{where} has {'label' if task == 'classification' else 'token id'} {int(low.min())}; "
                         f"{'labels' if task == 'classification' else 'token ids'} start at 0"
-                        + (f" (-100 marks padding)" if task == "lm" else ""))
+                        + (" (-100 marks padding)" if task == "lm" else ""))
 
 
 def _value(v: torch.Tensor) -> str:

@@ -10,10 +10,10 @@ last step whose state it holds (*committed*):
   or some survivors past it (the all-reduce completed, the dead worker's slice included); the group continues
   from the most advanced survivors' step, the others taking their state. So the step in flight is completed by
   all survivors or by none, and its examples are used once.
-* ``local-sgd`` and ``diloco`` commit at sync points: each rank keeps a copy of its state there (parameters,
+* ``local-sgd`` and ``diloco`` commit at meetings: each rank keeps a copy of its state there (parameters,
   inner and outer optimizer; one model and optimizer copy in memory). A death inside a round loses that
   round's work of every replica: the survivors return to the round's start and train it again over fewer
-  slices (the round in flight is redone by all survivors, or, if its sync point had completed somewhere,
+  slices (the round in flight is redone by all survivors, or, if its meeting had completed somewhere,
   completed by all).
 
 Then every member builds the strategy again over the new group (DDP wraps the same module again), the state to
@@ -21,7 +21,7 @@ continue from is sent from a member that holds it to those that do not (a replac
 one broadcast over the new group, and the loop goes on from that step with the same global batches cut into as
 many slices as there are members (differing by one example at most when they do not divide). Nothing is read
 from disk. A replacement waiting to join is looked for at step boundaries (``sync``: every ``--log-every`` steps;
-``local-sgd``, ``diloco``: sync points): rank 0 reads one store counter, and one one-element all-reduce tells
+``local-sgd``, ``diloco``: meetings): rank 0 reads one store counter, and one one-element all-reduce tells
 the others.
 
 ``--log-example-ids``: the survivors' records of the steps since the last log point are written at the change;
@@ -79,7 +79,7 @@ def lost_peer(exc: BaseException) -> bool:
 
 
 class ElasticRun:
-    """One rank's ``--on-failure continue`` state: its membership, its committed step (and, between sync points,
+    """One rank's ``--on-failure continue`` state: its membership, its committed step (and, between meetings,
     the state there), and the changes so far."""
 
     def __init__(self, trainer: Any, membership: Membership):
@@ -124,10 +124,10 @@ class ElasticRun:
         return summary
 
     def _wrap(self, strategy: Any) -> None:
-        """Count committed steps, keep the state at sync points, and look for joiners at step boundaries."""
+        """Count committed steps, keep the state at meetings, and look for joiners at step boundaries."""
         inner, layout = strategy.train_step, strategy.layout
         trainers, every = strategy.trainers, self.trainer.config.log.log_every
-        # where a joiner may be admitted: sync points (local-sgd, diloco); sync's log points (a step pays nothing)
+        # where a joiner may be admitted: meetings (local-sgd, diloco); sync's log points (a step pays nothing)
         boundary = (lambda step: layout.meets_at(step)) if layout.meets_every > 1 else (lambda step: step % every == 0)
 
         def train_step(batch: Any, lr: float) -> Any:
@@ -156,7 +156,7 @@ class ElasticRun:
         return agree_with_rank0(trainers)(mine)
 
     def _keep(self, strategy: Any) -> None:
-        """The committed state: ``sync``'s is the live one; between sync points a copy is kept."""
+        """The committed state: ``sync``'s is the live one; between meetings a copy is kept."""
         self.snapshot = None if strategy.layout.meets_every == 1 else _clone(local_state(strategy))
 
     def _committed_state(self, strategy: Any) -> dict[str, Any]:
@@ -179,8 +179,8 @@ class ElasticRun:
         if trainer.strategy is not None:
             old = trainer.strategy
             trainer.strategy = s.strategy = s.model = None
-            _release(old)
-            del old  # DDP's reducer (its hooks on the parameters) goes with its last reference: nothing holds it
+            old.model = None  # DDP's reducer holds hooks on the parameters until it is freed
+            del old  # (sync's exchange runs through the process group here: launch_settings)
         state, pending, old_index, old_generation = self._carry
         at = os.environ.get(JOIN_AT_ENV)
         generation = self.membership.change(self.committed, cut=failed,
@@ -286,13 +286,9 @@ class ElasticRun:
 
 
 def local_state(strategy: Any) -> dict[str, Any]:
-    """This rank's model and optimizer state (diloco: with its anchor and outer optimizer), without a collective."""
-    state = {"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict(),
-             **strategy.amp.state_dict()}
-    outer = getattr(strategy, "outer", None)
-    if outer is not None:
-        state["outer"] = {"anchor": list(strategy._anchor), "optimizer": outer.state_dict()}
-    return state
+    """This rank's model and optimizer state (diloco: with its anchor and outer optimizer) and its precision's
+    (the loss scale), without a collective."""
+    return {**strategy.local_state(), **strategy.amp.state_dict()}
 
 
 def _clone(state: Any) -> Any:
@@ -304,13 +300,6 @@ def _clone(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_clone(v) for v in state)
     return copy.deepcopy(state)
-
-
-def _release(strategy: Any) -> None:
-    """Drop the old strategy's wrapper (DDP's reducer holds hooks on the parameters until it is freed)."""
-    for name in ("model", "_exchange"):
-        if hasattr(strategy, name):
-            setattr(strategy, name, None)
 
 
 def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:

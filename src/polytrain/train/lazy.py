@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +32,8 @@ class LazyCheckpoint:
     #: the optimizer's per-parameter values that are not tensors (a step count kept as a number), by (INDEX, KEY)
     optimizer_values: dict[tuple[int, str], Any]
     param_groups: list[dict[str, Any]]
+    #: :meth:`optimizer_state`'s mark of a tensor to read by region
+    TENSOR: ClassVar[object] = TENSOR
 
     def __post_init__(self) -> None:
         self._keys: dict[int, list[str]] = {}

@@ -146,9 +146,11 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None] = ()) -> StateBytes:
+def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None] = (),
+                kept: Iterable[torch.Tensor] = ()) -> StateBytes:
     """What ``module`` and ``optimizers`` hold on this rank, each storage counted once (in the first of
-    parameters, gradients, optimizer that holds it)."""
+    parameters, gradients, optimizer that holds it); ``kept``, tensors a strategy keeps besides (diloco's anchor
+    and outer momentum), count as optimizer state."""
     seen: set[Any] = set()
 
     def add(tensors: Iterable[Any]) -> int:
@@ -168,13 +170,27 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer | 
     unique = list({id(opt): opt for opt in optimizers if opt is not None}.values())
     optimizer = add(t for opt in unique for group in opt.param_groups for t in group["params"])
     optimizer += add(value for opt in unique for per_param in opt.state.values() for value in per_param.values())
+    optimizer += add(kept)
     return StateBytes(parameters, gradients, optimizer)
 
 
-def strategy_optimizers(strategy: Any) -> list[torch.optim.Optimizer]:
-    """Every optimizer a strategy holds: its ``optimizer`` and any other (diloco's outer one)."""
-    found = [strategy.optimizer] + [v for v in vars(strategy).values() if isinstance(v, torch.optim.Optimizer)]
-    return list({id(opt): opt for opt in found if opt is not None}.values())
+def strategy_state(strategy: Any) -> StateBytes:
+    """What a strategy holds on this rank: its model and optimizer, and the copies it keeps besides
+    (``traits.copies``: diloco's anchor and outer momentum, from its :meth:`local_state`)."""
+    kept = {}
+    if strategy.traits.copies:
+        kept = {k: v for k, v in strategy.local_state().items() if k not in ("model", "optimizer")}
+    return state_bytes(strategy.module, [strategy.optimizer], _tensors(kept))
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
 
 
 # -- the peak -------------------------------------------------------------------------------------------
@@ -284,7 +300,7 @@ class MemoryMeter:
 
     def rank_numbers(self, strategy: Any) -> dict[str, int | None]:
         """This rank's numbers, in bytes."""
-        state = state_bytes(strategy.module, strategy_optimizers(strategy))
+        state = strategy_state(strategy)
         return {"peak": max(peak_bytes(self.device), self._carried), **asdict(state), "activations": self.activations}
 
     def summary(self, strategy: Any, trainers: Any) -> dict[str, Any]:

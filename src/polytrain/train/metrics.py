@@ -11,8 +11,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 

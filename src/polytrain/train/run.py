@@ -27,7 +27,8 @@ from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import get_strategy
-from polytrain.strategies.base import layout_for, registered, strategy_class
+from polytrain.strategies.base import layout_for
+from polytrain.strategies.registry import registered, strategy_class
 from polytrain.parallel.degrees import deprecated_flags
 from polytrain.strategies.settings import check_settings_read
 from polytrain.specs import is_import_path

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -38,8 +37,9 @@ from polytrain.models.lora import apply_lora, describe as describe_lora
 from polytrain.models.replay import build_parts
 from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
 from polytrain.distributed.layout import Layout
-from polytrain.strategies import Strategy, get_strategy
-from polytrain.strategies.base import check_batch, data_slice, strategy_class
+from polytrain.strategies import Strategy
+from polytrain.strategies.base import check_batch, data_slice
+from polytrain.strategies.registry import strategy_class
 from polytrain.strategies.step import StepRecipe
 from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
 from polytrain.train.background import CheckpointWrites, copy_state
@@ -237,7 +237,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
         # on the meta device where the model can be materialised unit by unit and its factory gives it no weights
         # of its own: the strategy makes what it keeps (replay: a pipeline makes only its stages of any factory's)
         model, weights = build_for_run(build, config.train.seed,
-                                       build_parts if getattr(strategy, "builds_part", False) else None,
+                                       build_parts if strategy.traits.builds_part else None,
                                        source=weights_to_load(config))
     else:
         model, weights = given_model(model, weights_to_load(config))
@@ -251,7 +251,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
                         precision_of(config))
     model = apply_lora(model, config.lora.lora)  # --lora: adapters put in, the model's own weights frozen
-    model = cast_model(model, recipe.precision, strategy.own_precision)  # bf16-true: in bfloat16 before prepare
+    model = cast_model(model, recipe.precision, strategy.traits.own_precision)  # bf16-true: in bfloat16 before prepare
     model = apply_unit_options(model, config.units)  # --activation-checkpointing, --compile: per unit, before any wrap
     model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
                              place=lambda m: _place(devices, config, strategy, m))
@@ -296,7 +296,7 @@ def _step_slices(strategy: Strategy, mine: Slice, global_batch: int,
 
 def strategy_options(config: RunConfig, strategy_cls: type[Strategy]) -> Any:
     """The config section of ``strategy_cls``'s own options (None if it has none), with the sections it also
-    reads (``also_reads``: pipeline's and hybrid's tp axis)."""
+    reads (``traits.reads``: pipeline's and hybrid's tp axis)."""
     from polytrain.strategies.settings import options_of
 
     return options_of(config, strategy_cls)

@@ -1,7 +1,7 @@
 """Straggler injection (``--straggler``): make chosen workers slower, for experiments and tests.
 
 A slow worker is what separates the strategies: ``sync`` waits for it every step, ``local-sgd``/``diloco``
-only at sync points, ``async`` not at all. Real slowness (a busy core, thermal throttling, a noisy
+only at meetings, ``async`` not at all. Real slowness (a busy core, thermal throttling, a noisy
 neighbour) cannot be ordered on demand, so the trainer's loop makes it: after each step, a slowed worker
 sleeps ``(FACTOR - 1)`` times the compute it just measured (the step's time less what it spent waiting for
 other ranks), so it takes FACTOR times as long to do its own work whatever the model or machine.

@@ -103,7 +103,9 @@ def check_unit_options(config: Any, model: nn.Module | None = None) -> None:
     if options.compile and _on_cpu(config.device.device):
         _check_cpp_compiler()
     if model is None and config.model.model != "auto":
-        model = _meta_model(config)
+        from polytrain.models.registry import meta_model
+
+        model = meta_model(config)
     if model is not None:
         check_model_units(model, options)
 
@@ -150,16 +152,6 @@ def _check_cpp_compiler() -> None:
         raise ConfigError("--compile on CPU needs a C++ compiler (torch.compile builds C++ kernels), and none "
                           "was found (g++, or the one $CXX names); install one (apt install g++) or drop "
                           "--compile") from None
-
-
-def _meta_model(config: Any) -> nn.Module | None:
-    from polytrain.models.registry import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
-    except Exception:  # noqa: BLE001 - the factory needs the data's real shape: the workers check it
-        return None
 
 
 def checkpoint_unit(unit: nn.Module) -> None:

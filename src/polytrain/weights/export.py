@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from polytrain.train.files import atomic_write_text
-from polytrain.weights.safetensors_file import (DEFAULT_SHARD_BYTES, INDEX, Entry, SafetensorsFile, plan_shards,
-                                                shard_name)
+from polytrain.weights.safetensors_file import DEFAULT_SHARD_BYTES, Entry, SafetensorsFile, plan_shards, shard_name
+from polytrain.weights.sources import INDEX
 
 SHARD = "model-*-of-*.safetensors"
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from polytrain.train.files import tmp_path
-from polytrain.weights.sources import INDEX
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

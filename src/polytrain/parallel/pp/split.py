@@ -133,7 +133,8 @@ class _Traced(nn.Module):
                 out = unit(*args, **kwargs)
         finally:
             parent._modules[leaf] = self
-        calls.append((index, args[0] if len(args) == 1 and not kwargs else None, out))
+        alone = args and all(a is None for a in args[1:]) and all(v is None for v in kwargs.values())
+        calls.append((index, args[0] if alone else None, out))  # (optional inputs left as None: the chain's call)
         return out
 
     def __getattr__(self, attr: str) -> Any:  # a forward that reads a unit's attribute still sees the unit's

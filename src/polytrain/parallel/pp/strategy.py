@@ -33,13 +33,12 @@ on every rank (with a warning), and the other stages' tensors are emptied at the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from polytrain.data.batches import Batch
@@ -53,8 +52,10 @@ from polytrain.parallel.fsdp import shard_group
 from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
-from polytrain.parallel.dtensor import full, like, local, rebuild_optimizer, squared_norm
+from polytrain.strategies.base import Strategy, check_batch
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
+from polytrain.parallel.dtensor import average, full, like, local, rebuild_optimizer, squared_norm
 from polytrain.parallel.pp import plan, split, traced
 from polytrain.parallel.pp.transport import check_transport
 from polytrain.parallel.pp.traced_run import TracedRun, chain_kind, must_trace
@@ -98,13 +99,11 @@ class Pipeline(TracedRun, Strategy):
     name = "pipeline"
     summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
     config_section = "pipeline"
-    builds_part = True  # a model from any factory comes on the meta device (models/replay.py: _replay)
-    also_reads = ("tp",)  # --tp-plan: the plan of the tp axis of T ranks per stage (polytrain.parallel.tp.axis)
-    exchange = "sync"
-    meeting = "gradients averaged every step"
-    fills = None  # --workers is not read: the processes are the stages (times the other degrees)
-    degrees = {"pp": DEFAULT_STAGES}  # where neither --pp nor --stages says
-    cuts = ("dp_shard", "pp", "tp")
+    # a model from any factory comes on the meta device (models/replay.py: _replay); --tp-plan: the plan of the
+    # tp axis of T ranks per stage (polytrain.parallel.tp.axis); --workers is not read: the processes are the
+    # stages (times the other degrees)
+    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills=None,
+                    cuts=("dp_shard", "pp", "tp"), degrees={"pp": DEFAULT_STAGES}, builds_part=True, reads=("tp",))
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -142,7 +141,9 @@ class Pipeline(TracedRun, Strategy):
         refuse_loss_scaling(config, cls.name, "the pipelining schedule runs each micro-batch's backward itself, "
                                               "and an overflow on one stage would have to skip the step on all")
         if model is None and config.model.model != "auto":
-            model = _meta_model(config)
+            from polytrain.models.registry import meta_model
+
+            model = meta_model(config)
         if model is not None and config.train.loss == "model":  # its own loss on the last stage: traced
             check_takes_labels(model, config.model.model)
         if model is not None:
@@ -379,12 +380,7 @@ class Pipeline(TracedRun, Strategy):
 
     def _average_over_replicas(self) -> None:
         grads = [local(p.grad) for p in self.owned if p.grad is not None]  # (tp: each rank's part)
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.topology.axis_group("dp"))
-        flat /= self.replicas
-        self.traffic.all_reduce(flat.numel() * flat.element_size(), self.replicas)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
+        self.traffic.all_reduce(average(grads, self.topology.axis_group("dp"), self.replicas), self.replicas)
 
     def _clip(self, max_norm: float) -> None:
         """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp (and over
@@ -555,7 +551,7 @@ class Pipeline(TracedRun, Strategy):
 class Hybrid(Pipeline):
     name = "hybrid"
     summary = "data parallel x pipeline: --dp-replicate D replicas of a --pp P stage pipeline on a 2-D mesh"
-    fills = "dp_replicate"  # what --workers leaves besides the stages (and --tp, --dp-shard)
+    traits = replace(Pipeline.traits, fills="dp_replicate")  # what --workers leaves besides the stages
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -611,13 +607,3 @@ def _named_split(model: nn.Module, stages: int, split_at: str) -> split.Split:
 def _split(model: nn.Module, names: list[str], cuts: list[int], ms: list[float], how: str) -> split.Split:
     params = tuple(sum(p.numel() for p in unit.parameters()) for _, unit in split.units(model))
     return split.Split(tuple(names), tuple(cuts), params, tuple(ms), how)
-
-
-def _meta_model(config: Any) -> nn.Module | None:
-    from polytrain.models.registry import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
-    except Exception:  # noqa: BLE001 - the factory needs the real data shape: the workers check it
-        return None

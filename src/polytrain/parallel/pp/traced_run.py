@@ -314,7 +314,7 @@ def plan_split(config: Any, layout: Any) -> traced.TracedSplit | None:
         return None
     stages = layout.axis("pp") * plan.schedule_info(opts.schedule).chunks
     micro = max(1, config.global_batch(layout.slices) // layout.axis("dp") // opts.microbatches)
-    x, y = data.train[0]
+    x, y = data.shape_example()
     sample = torch.as_tensor(x).unsqueeze(0).expand(micro, *torch.as_tensor(x).shape).to("meta")
     kwargs = {}
     if loss == "model":

@@ -26,8 +26,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
@@ -35,8 +33,11 @@ from polytrain.log import get_logger
 from polytrain.models.deferred import describe_whole_build, is_deferred, materialize
 from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
-from polytrain.train.held import HeldState
-from polytrain.strategies.base import Strategy, check_batch, mesh_layout, register_strategy
+from polytrain.strategies.held import HeldState
+from polytrain.strategies.base import Strategy, check_batch
+from polytrain.strategies.registry import mesh_layout, register_strategy
+from polytrain.strategies.traits import Traits
+from polytrain.parallel.dtensor import average, is_split, load_whole, local, whole_state
 from polytrain.parallel.tp.config import TensorParallelConfig
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
 
@@ -46,10 +47,7 @@ class TensorParallel(Strategy):
     name = "tp"
     summary = "tensor parallel: the plan's layers split over --tp ranks (DTensor), --workers / --tp replicas"
     config_section = "tp"
-    exchange = "sync"
-    meeting = "gradients averaged every step"
-    fills = "tp"
-    cuts = ("tp",)
+    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills="tp", cuts=("tp",))
 
     def __init__(self, topology: Any, options: TensorParallelConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -97,13 +95,8 @@ class TensorParallel(Strategy):
         yield
         replicas = self.trainers.axis_size("dp")
         if enabled and replicas > 1:
-            grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.trainers.axis_group("dp"))
-            flat /= replicas
-            self.traffic.all_reduce(flat.numel() * flat.element_size(), replicas)
-            for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(averaged)
+            grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+            self.traffic.all_reduce(average(grads, self.trainers.axis_group("dp"), replicas), replicas)
 
     def prepare(self, model, make_optimizer, recipe=None, place=None):
         model = super().prepare(model, make_optimizer, recipe, place)
@@ -133,25 +126,15 @@ class TensorParallel(Strategy):
 
     def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
         assert self.model is not None and self.optimizer is not None
-        model = {key: full_tensor(value) for key, value in self.model.state_dict().items()}  # (collective: tp)
+        model, state = whole_state(self.model, self.optimizer, optimizer)  # (collective: tp)
         model = retie(model, self.model)  # a tied tensor one tensor, as single saves it
-        state = self.optimizer.state_dict() if optimizer else None
-        if state is not None:
-            state = {**state, "state": {i: {k: full_tensor(v) for k, v in per.items()}
-                                        for i, per in state["state"].items()}}
         if not self.trainers.is_main:
             return None
         return {"model": model, **({"optimizer": state} if optimizer else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.model is not None and self.optimizer is not None
-        live = self.model.state_dict()
-        self.model.load_state_dict({k: like(v, live[k]) if k in live else v for k, v in state["model"].items()})
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        optimizer = state["optimizer"]
-        self.optimizer.load_state_dict({**optimizer, "state": {
-            i: {k: like(v, params[int(i)]) if torch.is_tensor(v) and k != "step" else v for k, v in per.items()}
-            for i, per in optimizer["state"].items()}})
+        load_whole(self.model, self.optimizer, state)
 
 
 def check_tp(config: Any, model: nn.Module | None, tp: int) -> TensorPlan | None:
@@ -162,22 +145,14 @@ def check_tp(config: Any, model: nn.Module | None, tp: int) -> TensorPlan | None
         return None
     name = config.model.model
     if model is None and name != "auto":
+        from polytrain.models.registry import meta_model
+
         model = meta_model(config)
     if model is None:
         return None
     plan = plan_for(model, config.tp.tp_plan, name)
     plan.check(model, tp)
     return plan
-
-
-def meta_model(config: Any) -> nn.Module | None:
-    from polytrain.models.registry import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
-    except Exception:  # noqa: BLE001 - the factory needs the real data shape: the workers check it
-        return None
 
 
 def split_layers(modules: list[tuple[str, nn.Module]], plan: TensorPlan, mesh: Any) -> int:
@@ -192,8 +167,8 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, tp_group: Any, more:
     groups in ``more`` (pipeline stages)."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    split = [g.to_local() for g in grads if _is_split(g)]
-    whole = [_local(g) for g in grads if not _is_split(g)]
+    split = [g.to_local() for g in grads if is_split(g)]
+    whole = [local(g) for g in grads if not is_split(g)]
     squared = torch.zeros(2, device=device)
     if split:
         squared[0] = torch.stack([torch.linalg.vector_norm(g, 2) for g in split]).square().sum()
@@ -209,24 +184,3 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, tp_group: Any, more:
     coef = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
     for g in split + whole:
         g.mul_(coef)
-
-
-def full_tensor(value: Any) -> Any:
-    """A DTensor gathered whole (collective over its mesh), else ``value``."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """A whole tensor ``value`` as ``live`` holds it: a DTensor's part of it (cut here, no exchange: every rank
-    has the whole value), else ``value`` itself."""
-    if not isinstance(live, DTensor) or value.shape != live.shape:
-        return value
-    return distribute_tensor(value.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
-
-
-def _is_split(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(not p.is_replicate() for p in tensor.placements)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -50,8 +50,9 @@ from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.options import option, register_section
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import (DEFAULT_WORKERS, OptimizerFactory, Strategy, degrees_of, register_strategy,
-                                      runner_for)
+from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy
+from polytrain.strategies.registry import degrees_of, register_strategy, runner_for
+from polytrain.strategies.traits import Traits
 from polytrain.strategies.ps.capabilities import HelperLoop, ServerLoop, Tickets
 from polytrain.strategies.ps.client import ParameterClient
 from polytrain.strategies.ps.ranks import Ranks
@@ -82,7 +83,8 @@ class AsyncConfig:
 class AsyncParameterServer(Strategy):
     name = "async"
     summary = "asynchronous data parallel: parameter servers apply each worker's gradient as it arrives"
-    meeting = "through parameter servers: each worker pushes its gradients and pulls the parameters"
+    traits = Traits(exchange="async", meeting="through parameter servers: each worker pushes its gradients and "
+                                              "pulls the parameters")
     config_section = "async"
 
     def __init__(self, topology: Topology, options: AsyncConfig | None = None, layout: Layout | None = None):

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from polytrain.train.lazy import TENSOR
 from polytrain.weights.fill import check_fits, fill, read_held
 
 
@@ -44,7 +43,7 @@ class HeldState:
         for index, param in enumerate(params):
             per: dict[str, Any] = {}
             for key, value in checkpoint.optimizer_state(index).items():
-                if value is not TENSOR:
+                if value is not checkpoint.TENSOR:
                     per[key] = value
                     continue
                 name = f"{index}/{key}"

@@ -1,0 +1,115 @@
+"""The strategies by name, and which class runs a run's degrees.
+
+``register_strategy`` makes a class ``--strategy NAME``; ``get_strategy`` finds it (or imports
+``package.module:Class``). A strategy name stands for degrees (:mod:`polytrain.parallel.degrees`): the class
+that runs them is the named one where it cuts a replica over every axis they cut, else the registered class of
+the same exchange that does (:func:`runner_for`); the job's layout names it (``Layout.strategy``, the user's
+name in ``Layout.named``), and :func:`strategy_class` finds it again in every process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+
+from polytrain.distributed.layout import Layout
+from polytrain.errors import ConfigError
+from polytrain.parallel.degrees import Degrees, fill_of, given_degrees, resolve
+from polytrain.strategies.base import DEFAULT_WORKERS, Strategy, layout_for
+
+
+def degrees_of(cls: type[Strategy], workers: int | None, options: Any = None) -> Degrees:
+    """The degrees of ``--strategy cls.name`` for ``--workers`` (None: not given) and the degrees its options
+    name (:mod:`polytrain.parallel.degrees`)."""
+    traits = cls.traits
+    given = {**traits.degrees, **{axis: size for axis, size in given_degrees(options).items() if size is not None}}
+    return resolve(fill_of(traits.fills, options), workers, given, DEFAULT_WORKERS, cls.name)
+
+
+def mesh_layout(cls: type[Strategy], workers: int | None, options: Any = None, meets_every: int = 1) -> Layout:
+    """The layout of a strategy of the mesh: one trainer rank per point of ``dp_replicate x dp_shard x pp x
+    tp``, run by the class of its exchange that cuts a replica as the degrees say (:func:`runner_for`)."""
+    degrees = degrees_of(cls, workers, options)
+    runner = runner_for(cls, degrees)
+    return Layout(runner.name, ("trainer",) * degrees.world, degrees.axes(), degrees.dp, meets_every=meets_every,
+                  named=cls.name if runner is not cls else "")
+
+
+def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
+    """The class that runs ``degrees`` for ``--strategy cls.name``: ``cls`` where it cuts a replica over every
+    axis the degrees cut, else the registered class of the same exchange that does with the fewest axes
+    (``--strategy sync --dp-shard 4``: fsdp). One ConfigError line where none does."""
+    cut, exchange = set(degrees.cut()), cls.traits.exchange
+    if cut <= set(cls.traits.cuts):
+        return cls
+    found = [c for c in _REGISTRY.values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
+    if found:
+        return min(found, key=lambda c: (len(c.traits.cuts), c.traits.fills is None, c.name))
+    given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut()
+                     if a not in cls.traits.cuts)
+    takes = ", ".join(f"--{a.replace('_', '-')}" for a in cls.traits.cuts) or "none: each replica whole on one rank"
+    raise ConfigError(f"--strategy {cls.name} with {given}: not supported (the axes it cuts a replica over: "
+                      f"{takes}); drop {given.split(' ')[0]}, or use --strategy sync for the degrees")
+
+
+def strategy_class(config: Any, layout: Layout | None = None, processes: int | None = None) -> type[Strategy]:
+    """The class that runs ``config``'s ``--strategy``: the one named, or the one the job's ``layout`` says runs
+    its degrees (``sync --dp-shard 4``: fsdp); without a layout, the one that lays out ``processes``."""
+    from polytrain.strategies.settings import options_of
+
+    named = get_strategy(config.train.strategy)
+    if layout is None and processes is not None:
+        layout = layout_for(named, processes, options_of(config, named))
+    if layout is not None and layout.named == named.name and layout.strategy != named.name:
+        return get_strategy(layout.strategy)
+    return named
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        taken = _REGISTRY[cls.name]
+        raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
+                         f"give {cls.__module__}.{cls.__qualname__} another name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def registered() -> dict[str, type[Strategy]]:
+    """Every registered strategy by name."""
+    return dict(_REGISTRY)
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    """The strategy registered as ``name``, or the class ``package.module:Class`` (imported, so a strategy
+    defined in your own module works in every spawned worker too)."""
+    if ":" in name:
+        return _import_strategy(name)
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
+                          f"{', '.join(available_strategies())}, or package.module:Class") from None
+
+
+def _import_strategy(spec: str) -> type[Strategy]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--strategy {spec}: cannot import it ({exc})") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"--strategy {spec}: not a polytrain.Strategy subclass")
+    return found
