@@ -233,7 +233,7 @@ def run_suite(cfg: OverheadBenchConfig, progress: Callable[[str], None] = lambda
                     progress(f"[{done}/{total}] repeat {repeat + 1}: {row.key} {side}: "
                              f"{measured.step_s * 1e3:.3f} ms a step (load {measured.load:.1f})")
                 runs[row.key].append((sides["polytrain"], sides["plain"]))
-        profile = profile_single(ROWS[0], cfg, Path(tmp)) if ROWS[0] in rows else None
+        profile = profile_single(run_polytrain, ROWS[0], cfg, Path(tmp)) if ROWS[0] in rows else None
     return {"suite": "overhead", "config": cfg.to_dict(), "env": environment(), "target": TARGET,
             "rows": [row_result(row, runs[row.key]) for row in rows], "profile": profile}
 

@@ -14,7 +14,7 @@ import cProfile
 import pstats
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: the parts of a step, by the module (path under polytrain/) and, where one module holds several, function
 PARTS = (
@@ -74,12 +74,11 @@ def own_time(stats: pstats.Stats) -> dict[tuple[str, int, str], tuple[int, float
     return out
 
 
-def _profiled(row: Any, cfg: Any, workdir: Path, steps: int, tag: str) -> tuple[dict, float]:
+def _profiled(run_polytrain: Callable[..., Any], row: Any, cfg: Any, workdir: Path, steps: int,
+              tag: str) -> tuple[dict, float]:
     """polytrain's own seconds per function, and the profiled seconds in all, of a run of ``steps`` after the
     warm-up."""
     from dataclasses import replace
-
-    from polytrain.bench.overhead import run_polytrain
 
     profiler = cProfile.Profile(time.process_time)  # CPU seconds: what a neighbour's load leaves alone
     profiler.enable()
@@ -91,10 +90,12 @@ def _profiled(row: Any, cfg: Any, workdir: Path, steps: int, tag: str) -> tuple[
     return own_time(stats), stats.total_tt  # type: ignore[attr-defined]
 
 
-def profile_single(row: Any, cfg: Any, workdir: Path, top: int = 8) -> dict[str, Any]:
-    """polytrain's own microseconds per steady step of ``row`` (a single row), by part and by function."""
-    base, base_total = _profiled(row, cfg, workdir, cfg.warmup, "short")
-    long, long_total = _profiled(row, cfg, workdir, cfg.warmup + cfg.steps, "long")
+def profile_single(run_polytrain: Callable[..., Any], row: Any, cfg: Any, workdir: Path,
+                   top: int = 8) -> dict[str, Any]:
+    """polytrain's own microseconds per steady step of ``row`` (a single row, run by ``run_polytrain(row, cfg,
+    workdir, tag)``), by part and by function."""
+    base, base_total = _profiled(run_polytrain, row, cfg, workdir, cfg.warmup, "short")
+    long, long_total = _profiled(run_polytrain, row, cfg, workdir, cfg.warmup + cfg.steps, "long")
     steps = cfg.steps  # the steps the long run has more
     # a function of the steps is called at least once per log point more in the longer run; start-up's functions
     # (the config, the model's build) as often in both, whatever their seconds
