@@ -15,6 +15,7 @@ from polytrain.config import make_config
 from polytrain.errors import ConfigError
 from polytrain.models.lora import check_lora
 from tests.helpers import zoo
+from tests.helpers.threads import one_thread
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -37,7 +38,8 @@ def runs(tmp_path_factory):
     out = {"pretrained": pretrained}
     for name, strategy in (("single", dict(strategy="single")), ("fsdp", dict(strategy="fsdp", workers=2))):
         saved = root / name
-        summary = polytrain.fit(**common, **strategy, save_model=str(saved), merge_lora=name == "single")
+        with one_thread():  # (single runs in this process)
+            summary = polytrain.fit(**common, **strategy, save_model=str(saved), merge_lora=name == "single")
         out[name] = (summary, saved)
     return out
 

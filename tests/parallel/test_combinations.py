@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.resume import assert_same_state
+from tests.helpers.threads import one_thread
 from tests.parallel.combinations import CASES, LAYOUTS, largest_difference, moved, train
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combinations")
-    return {name: train(tmp, name, **settings) for name, settings in
-            (("single", dict(strategy="single")), ("hsdp_tp", CASES["hsdp_tp"]))}
+    with one_thread():  # (single runs in this process)
+        return {name: train(tmp, name, **settings) for name, settings in
+                (("single", dict(strategy="single")), ("hsdp_tp", CASES["hsdp_tp"]))}
 
 
 def test_hsdp_over_fsdp_by_tp_replicas_equals_single(runs):

@@ -20,6 +20,7 @@ from polytrain.distributed.launch import launch
 from polytrain.train.run import layout_of
 from polytrain.train.trainer import Trainer
 from tests.helpers import zoo
+from tests.helpers.threads import one_thread
 
 pytest.importorskip("transformers")
 
@@ -54,9 +55,10 @@ def runs(tmp_path_factory):
             "gpt2": {"path": str(zoo.write_pretrained("gpt2", root / "gpt2", seed=8))}}
     common = dict(data=f"text:file={text},seq_len=16", batch_size=8, steps=3, optimizer="sgd", lr=0.5, seed=3,
                   progress="off", eval_every=0, log_every=3, timeout=120)
-    for model in args:
-        polytrain.fit(**common, model=f"tests.helpers.zoo:{model}", model_args=args[model], strategy="single",
-                      save_model=str(root / f"single-{model}.pt"))
+    with one_thread():
+        for model in args:
+            polytrain.fit(**common, model=f"tests.helpers.zoo:{model}", model_args=args[model], strategy="single",
+                          save_model=str(root / f"single-{model}.pt"))
     summaries = {}
     for world in (2, 4):
         cases = [(name, make_config(**common, **settings, model=f"tests.helpers.zoo:{model}",
