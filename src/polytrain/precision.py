@@ -40,6 +40,7 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 DEFAULT_PRECISION = "32-true"
 #: torch.amp.GradScaler's own first scale
 DEFAULT_LOSS_SCALE = 2.0 ** 16
+_NOTHING = contextlib.nullcontext()  # (one, reused: a step's contexts allocate nothing)
 
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -174,7 +175,7 @@ class Amp:
     def autocast(self) -> ContextManager[Any]:
         """Around forward and loss (never backward): autocast to the mode's dtype, or nothing."""
         if self._dtype is None:
-            return contextlib.nullcontext()
+            return _NOTHING
         return torch.autocast(self.device.type, dtype=self._dtype)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:

@@ -128,42 +128,46 @@ def _wait_for_steps(proc):
     pytest.fail(f"training never started: {proc.stderr.read()}")
 
 
-def test_local_run_listens_only_on_loopback(cli_env):
-    proc = _start_training(cli_env)
+@pytest.fixture(scope="module")
+def training(module_cli_env):
+    """One training job of 2 workers, running: asserted on loopback first, then its rank 1 is killed."""
+    proc = _start_training(module_cli_env)
     try:
         _wait_for_steps(proc)
-        job = descendants(proc.pid)
-        sockets = listening_addresses(job)
-        assert len(job) >= 3  # the launcher and its two workers
-        assert sockets, "expected the store and gloo to listen somewhere"
-        assert all(addr in ("127.0.0.1", "::1") for addr, _ in sockets), sockets
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def test_sigkill_of_a_worker_ends_the_job_naming_the_rank(cli_env):
-    proc = _start_training(cli_env)
-    try:
-        _wait_for_steps(proc)
-        job = descendants(proc.pid)
-        ranks = {worker_rank(p): p for p in job if worker_rank(p) is not None}
-        assert sorted(ranks) == [0, 1]
-        victim = ranks[1]
-        os.kill(victim, signal.SIGKILL)
-        # the job's collectives would time out after --timeout 300 s; the supervisor ends it at once
-        _, err = proc.communicate(timeout=150)
-        assert proc.returncode != 0
-        assert "worker rank 1 was killed by signal SIGKILL" in err, err
-        assert "Traceback" not in err
-        deadline = time.monotonic() + 60  # the launcher's resource tracker exits just after the launcher
-        while alive(job) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert alive(job) == [], [cmdline(p) for p in alive(job)]
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_local_run_listens_only_on_loopback(training):
+    proc = training
+    assert proc.poll() is None
+    job = descendants(proc.pid)
+    sockets = listening_addresses(job)
+    assert len(job) >= 3  # the launcher and its two workers
+    assert sockets, "expected the store and gloo to listen somewhere"
+    assert all(addr in ("127.0.0.1", "::1") for addr, _ in sockets), sockets
+
+
+def test_sigkill_of_a_worker_ends_the_job_naming_the_rank(training):
+    proc = training  # (the job test_local_run_listens_only_on_loopback looked at)
+    assert proc.poll() is None
+    job = descendants(proc.pid)
+    ranks = {worker_rank(p): p for p in job if worker_rank(p) is not None}
+    assert sorted(ranks) == [0, 1]
+    victim = ranks[1]
+    os.kill(victim, signal.SIGKILL)
+    # the job's collectives would time out after --timeout 300 s; the supervisor ends it at once
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    assert "worker rank 1 was killed by signal SIGKILL" in err, err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 60  # the launcher's resource tracker exits just after the launcher
+    while alive(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(job) == [], [cmdline(p) for p in alive(job)]
 
 
 def test_joins_a_torchrun_style_group(cli_env, tmp_path):

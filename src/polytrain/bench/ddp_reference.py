@@ -103,22 +103,22 @@ def train(rank: int, args: argparse.Namespace) -> None:
     global_batch = args.worker_batch_size * args.workers
     plan, shard = BatchPlan(len(data.train), global_batch, args.seed), Slice(rank, args.workers)
     total = args.warmup + args.steps
-    started = 0.0
+    started = cpu = 0.0
     for step in range(total):
         if step == args.warmup:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
         x, y = data.train.get_batch(shard.take(plan.global_indices(step)), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         with model.no_sync() if args.no_sync else contextlib.nullcontext():
             loss = cross_entropy(model(x), y)
             loss.backward()
         optimizer.step()
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     if rank == 0:
         if args.save_model:
             torch.save(model.module.state_dict(), args.save_model)
         with open(args.result, "w") as fh:
-            json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed,
+            json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed, "cpu_s": cpu,
                        "timed_steps": args.steps, "global_batch": global_batch, "final_loss": loss.item()}, fh)
 
 

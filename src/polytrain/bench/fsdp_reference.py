@@ -113,6 +113,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             ends.append(time.perf_counter())
+            cpu = time.process_time()
         x, y = data.train.get_batch(shard.take(plan.global_indices(step)), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         loss = cross_entropy(model(x), y)
@@ -121,6 +122,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         if step >= args.warmup:
             ends.append(time.perf_counter())
     elapsed = ends[-1] - ends[0]
+    cpu = time.process_time() - cpu
 
     state = state_bytes(model, [optimizer])
     mine = {"start_rss": start_rss, "peak": peak_bytes(torch.device("cpu")), "parameters": state.parameters,
@@ -134,7 +136,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         if args.save_model:
             torch.save(full, args.save_model)
         with open(args.result, "w") as fh:
-            json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed,
+            json.dump({"examples_per_sec": args.steps * global_batch / elapsed, "window_s": elapsed, "cpu_s": cpu,
                        "timed_steps": args.steps, "global_batch": global_batch,
                        "step_s": [b - a for a, b in zip(ends, ends[1:])],
                        "final_loss": sum(losses) / len(losses), "rank_memory_bytes": ranks}, fh)

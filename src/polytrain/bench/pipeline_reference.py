@@ -91,6 +91,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             ends.append(time.perf_counter())
+            cpu = time.process_time()
         x, y = data.train.get_batch(plan.global_indices(step), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         losses = []
@@ -102,8 +103,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
     dist.broadcast_object_list(final, src=args.stages - 1)
     if first:
         elapsed = ends[-1] - ends[0]
+        cpu = time.process_time() - cpu
         with open(args.result, "w") as fh:
-            json.dump({"examples_per_sec": args.steps * args.batch_size / elapsed, "window_s": elapsed,
+            json.dump({"examples_per_sec": args.steps * args.batch_size / elapsed, "window_s": elapsed, "cpu_s": cpu,
                        "timed_steps": args.steps, "global_batch": args.batch_size,
                        "step_s": [b - a for a, b in zip(ends, ends[1:])], "final_loss": final[0]}, fh)
 

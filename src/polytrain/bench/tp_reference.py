@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import polytrain.strategies  # noqa: F401  (first: polytrain.parallel.tp imported before it is a circular import)
 from polytrain.bench.ddp_reference import cross_entropy, leave_at_once
 from polytrain.data.batches import BatchPlan
 from polytrain.data.registry import build_data
@@ -104,6 +105,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             ends.append(time.perf_counter())
+            cpu = time.process_time()
         x, y = data.train.get_batch(plan.global_indices(step), plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         loss = cross_entropy(model(x), y)
@@ -112,12 +114,13 @@ def train(rank: int, args: argparse.Namespace) -> None:
         if step >= args.warmup:
             ends.append(time.perf_counter())
     elapsed = ends[-1] - ends[0]
+    cpu = time.process_time() - cpu
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     if rank == 0:
         if args.save_model:
             torch.save(full, args.save_model)
         with open(args.result, "w") as fh:
-            json.dump({"examples_per_sec": args.steps * args.batch_size / elapsed, "window_s": elapsed,
+            json.dump({"examples_per_sec": args.steps * args.batch_size / elapsed, "window_s": elapsed, "cpu_s": cpu,
                        "timed_steps": args.steps, "global_batch": args.batch_size,
                        "step_s": [b - a for a, b in zip(ends, ends[1:])], "final_loss": loss.item()}, fh)
 

@@ -4,7 +4,8 @@
 pipeline-soak``); --compile and --activation-checkpointing against eager (``--suite compile``); fsdp against a
 plain fully_shard loop, with each rank's memory (``--suite fsdp``); tp against a plain parallelize_module loop
 (``--suite tp``); useful steps per second of a job that loses a
-worker every minute, against the same job undisturbed (``--suite goodput``)."""
+worker every minute, against the same job undisturbed (``--suite goodput``); each strategy's step against the plain
+PyTorch loop of the same thing, with a profile of polytrain's own part (``--suite overhead``)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ against a plain tensor-parallel loop (parallelize_module with the same plan writ
 cross-entropy) on the same transformer_lm, initial values and batches; examples/s after the warm-up (and by the
 median step) and the speed ratio tp / plain (median of the per-repeat ratios, with min-max).
 
+--suite overhead: what polytrain's own step machinery costs. Each row trains the same model, initial values and
+batches twice, polytrain and the plain PyTorch loop of the same thing, back to back (swapped every repeat):
+single on a tiny mlp (steps of about 2 ms) and on the default model against a plain loop in the same process;
+sync, fsdp, tp and pipeline on tiny models (2 workers x 1 thread) against the plain DDP, fully_shard,
+parallelize_module and pipelining loops. Per row: each side's ms per step, the speed ratio polytrain / plain
+(median of the per-repeat ratios, with min-max; target >= 0.97 for single on the tiny mlp), polytrain's extra ms
+per step and the machine's load (1-minute average) while it ran; then a profile (cProfile over the steady steps)
+of polytrain's own time in a single step, by part (loss reduction, NaN guard, metrics, stop check, log points,
+memory meter, phases, ...) and by function. --cases picks rows.
+
 --suite goodput: polytrain train (sync, --workers 4) run for --duration seconds of wall time (600) three ways:
 undisturbed; with a random worker SIGKILLed every --failure-every seconds (60) and --max-restarts, a checkpoint
 every --checkpoint-every-seconds (30) and, with --snapshot-every K, a snapshot in memory every K steps; and the same
@@ -66,7 +77,7 @@ failures with --on-failure continue. Useful steps (the
 step reached when the time is up) per second, and goodput = useful steps / the undisturbed job's. Three jobs:
 about 3 x --duration in all."""
 
-SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp", "tp", "goodput")
+SUITES = ("throughput", "pipeline", "pipeline-soak", "compile", "fsdp", "tp", "goodput", "overhead")
 
 #: smaller settings for --quick: checks that every case runs, in seconds; its numbers mean little
 QUICK = {
@@ -81,6 +92,7 @@ QUICK = {
              "warmup": 1, "steps": 2, "repeats": 1},
     "tp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "batch_size": 4,
            "warmup": 1, "steps": 2, "repeats": 1},
+    "overhead": {"warmup": 2, "steps": 4, "repeats": 1},
     "goodput": {"duration": 20.0, "failure_every": 8.0, "checkpoint_every_seconds": 4.0, "workers": 2},
 }
 
@@ -151,6 +163,8 @@ def add_parser(sub: Any) -> None:
                              "none)")
     parser.add_argument("--jobs", type=_names, dest="sides", metavar="J,J,..",
                         help="goodput: which jobs (default: undisturbed,max-restarts,continue)")
+    parser.add_argument("--cases", type=_names, metavar="ROW,ROW,..",
+                        help="overhead: which rows (default: all of single-mlp,single-default,sync,fsdp,tp,pipeline)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings and 1 repeat of 2 steps: checks that everything runs (numbers are noise)")
     parser.add_argument("--plan", action="store_true", help="print the cases that would run and exit")
@@ -181,6 +195,9 @@ def _config_class(suite: str) -> type:
     if suite == "goodput":
         from polytrain.bench.goodput import GoodputBenchConfig
         return GoodputBenchConfig
+    if suite == "overhead":
+        from polytrain.bench.overhead import OverheadBenchConfig
+        return OverheadBenchConfig
     from polytrain.bench.cases import BenchConfig
     return BenchConfig
 
@@ -352,5 +369,12 @@ def _run_goodput(cfg, args: argparse.Namespace) -> dict | None:
     return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
 
 
-_SUITES = {"pipeline": _run_pipeline, "pipeline-soak": _run_soak, "compile": _run_compile, "fsdp": _run_fsdp,
+def _run_overhead(cfg, args: argparse.Namespace) -> dict | None:
+    from polytrain.bench.overhead import describe, format_markdown, format_text, run_suite
+
+    print(describe(cfg), flush=True)
+    return None if args.plan else _report(run_suite(cfg, progress=_progress), args, format_text, format_markdown)
+
+
+_SUITES = {"overhead": _run_overhead, "pipeline": _run_pipeline, "pipeline-soak": _run_soak, "compile": _run_compile, "fsdp": _run_fsdp,
            "tp": _run_tp, "goodput": _run_goodput, "throughput": _run_throughput}

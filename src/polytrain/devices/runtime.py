@@ -35,6 +35,8 @@ from polytrain.devices.plan import DeviceValue, PlacementPlan
 from polytrain.devices.soft import SoftPlacementMode, operator_errors
 from polytrain.devices.spec import LOGGER_NAME
 
+_NOTHING = contextlib.nullcontext()  # (one, reused: a step's contexts allocate nothing)
+
 
 class DeviceRuntime:
     """Placement, placement log, soft placement and the GPU memory cap of one worker."""
@@ -70,7 +72,7 @@ class DeviceRuntime:
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Label the operators of a part of the step in the per-op log (e.g. ``"optimizer"``)."""
         active = self.placement_logger.active if self.placement_logger is not None else None
-        return active.phase(name) if active is not None else contextlib.nullcontext()
+        return active.phase(name) if active is not None else _NOTHING
 
     def log_steps_from(self, first: int, count: int = 1) -> None:
         """Record the per-operator log of steps ``first`` .. ``first + count - 1`` (e.g. after a resume)."""

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from polytrain.distributed.layout import AXES, BATCH
 from polytrain.distributed.lost import LostRanks
 
+_KNOWN_AXES = frozenset(AXES + (BATCH,))  # (asked every step: axis_size("dp") weighs the loss)
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -91,7 +93,10 @@ class Topology:
             return self.world_size if axis in ("dp_replicate", BATCH) else 1
         if axis == BATCH:
             return self.axis_size("dp_replicate") * self.axis_size("dp_shard")
-        return dict(self.axes).get(axis, 1)
+        for name, size in self.axes:
+            if name == axis:
+                return size
+        return 1
 
     def axis_rank(self, axis: str) -> int:
         """This process's coordinate along ``axis``."""
@@ -134,7 +139,7 @@ class Topology:
 
     @staticmethod
     def _known(axis: str) -> None:
-        if axis not in AXES + (BATCH,):
+        if axis not in _KNOWN_AXES:
             raise ValueError(f"unknown axis '{axis}'; known: {', '.join(AXES + (BATCH,))}")
 
     # -- collectives used by the trainer; tensors must be on self.device for NCCL --------------------

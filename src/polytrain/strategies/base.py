@@ -60,6 +60,7 @@ from polytrain.strategies.traits import Traits
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 #: what ``polytrain train`` uses without ``--workers`` (a data-parallel strategy's process count)
 DEFAULT_WORKERS = 2
+_NOTHING = contextlib.nullcontext()  # (one, reused: a step's contexts allocate nothing)
 
 
 class OwnLoop(Protocol):
@@ -279,7 +280,7 @@ class Strategy:
 
     def _grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         """Context for one micro-batch's backward; ``enabled=False`` defers gradient exchange."""
-        return contextlib.nullcontext()
+        return _NOTHING
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()

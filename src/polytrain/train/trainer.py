@@ -142,7 +142,7 @@ class Trainer:
         meter = self.meter = StepMeter(window=max(cfg.log.log_every, RATE_WINDOW))
         ids = self.ids = example_ids(s, self.topology)  # (self.ids: --on-failure continue writes what it noted)
         guard = self.guard = DivergenceGuard(self.topology.device)
-        self._loop_started = time.perf_counter()
+        self._loop_started, self._loop_cpu = time.perf_counter(), time.process_time()
         last_eval: tuple[float, float | None] | None = None
         last_interval_loss: float | None = None
         step = s.start_step
@@ -306,6 +306,8 @@ class Trainer:
             **{f"rank_{key}": [extra.get(key) for *_, extra in per_rank] for key in keys},
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
+            # this process's CPU seconds since then (every thread's): what a step costs whatever else shares the cores
+            "cpu_s": round(time.process_time() - self._loop_cpu, 4),
             "eta_s": None if left is None else round(left, 1),  # the wall seconds the steps left should take
         }
 
