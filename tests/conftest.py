@@ -7,6 +7,11 @@ import torch
 import polytrain.components  # noqa: F401  (every setting registered, as the command line and the API do)
 from tests.helpers.serial import suite_lock
 
+# One CPU thread for what runs in a pytest process (the in-process fits and their single references), as polytrain's
+# spawned workers take one each: under `pytest -n 2` on 2 cores, torch's default of a thread per core put 4 threads
+# on 2 cores, and a tiny model's 8 single steps took 33 s instead of 3-8 s. A test wanting more sets its own.
+torch.set_num_threads(1)
+
 # polytrain's CLI runs in subprocesses in some tests; they must find this checkout's sources
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
