@@ -59,7 +59,9 @@ def test_resume_continues_the_exact_trajectory(tmp_path, strategy, workers):
 KILLABLE = [sys.executable, "-m", "polytrain", "train", "--strategy", "single", "--data",
             "synthetic:shape=3x24x24,size=2048", "--model", "cifar_cnn", "--batch-size", "32",
             "--lr-schedule", "exponential:rate=0.5,decay_steps=40", "--log-every", "1", "--progress", "off",
-            "--eval-every", "0", "--checkpoint-every", "5", "--seed", "5"]
+            "--eval-every", "0", "--checkpoint-every", "5", "--seed", "5",
+            "--threads-per-worker", "1"]  # the killed run's process and the test's (tests/conftest.py) alike: the
+#                                           same sums, so the resumed run is bit for bit the whole one
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, cli_env, capsys):
