@@ -31,3 +31,21 @@ def test_other_ranks_print_only_their_own_warnings_and_errors(capsys):
     finally:
         setup_logging(0, 1)
     assert capsys.readouterr().out == "[rank 1] warning: --resume: no checkpoint yet\n"
+
+
+def test_messages_go_to_the_stdout_of_the_moment_not_a_closed_one():
+    """Set up while one stdout was current (a notebook cell's capture, a test's), then logged to after it was
+    replaced and closed: the message reaches the current stdout, and nothing fails."""
+    import contextlib
+    import io
+
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(first):
+            setup_logging(0, 1)
+        first.close()
+        with contextlib.redirect_stdout(second):
+            get_logger().warning("after the first stream closed")
+    finally:
+        setup_logging(0, 1)
+    assert second.getvalue() == "warning: after the first stream closed\n"

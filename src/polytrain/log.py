@@ -35,13 +35,30 @@ class _RankFormatter(logging.Formatter):
         return self.prefix + message
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is emitted, not the stream it was at set-up: in a
+    process that redirects it meanwhile (a notebook cell's capture, pytest's per-test capture, a library's
+    ``redirect_stdout``), messages go to the current one instead of failing on a closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # (StreamHandler.__init__ and setStream assign it)
+        pass
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, *, all_ranks: bool = False,
                   level: int = logging.INFO) -> logging.Logger:
     """Configure the ``polytrain`` logger for this process and return it."""
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     handler.setFormatter(_RankFormatter(rank, world_size, all_ranks))
     logger.addHandler(handler)
     logger.setLevel(level if (rank == 0 or all_ranks) else max(level, logging.WARNING))

@@ -16,6 +16,7 @@ import torch
 import polytrain
 from polytrain.data.buckets import batch_plan
 from polytrain.data.registry import build_data
+from polytrain.distributed.elastic import JOIN_STALL_ENV
 from polytrain.errors import ConfigError
 from polytrain.train.example_ids import read
 from polytrain.train.elastic import JOIN_AT_ENV
@@ -71,12 +72,16 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
     killed = draw(f"elastic[{name}]", 3, 8)  # a chosen step: inside a round or at a meeting for diloco
     monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
     monkeypatch.setenv(JOIN_AT_ENV, str(killed + 5))  # the replacement waits until then: 3 workers meanwhile
+    # admitted, the replacement's main thread stalls past --heartbeat-timeout before its heartbeat starts (a
+    # loaded machine): its slot beats meanwhile, and it is not taken for lost
+    monkeypatch.setenv(JOIN_STALL_ENV, str(BASE["heartbeat_timeout"] + 1))
     summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", max_restarts=1,
                             metrics_file=str(tmp_path / "elastic.jsonl"),
                             log_example_ids=str(tmp_path / "elastic-ids.jsonl"),
                             save_model=str(tmp_path / "elastic.pt"), **settings)
     monkeypatch.delenv(KILL_ENV)
     monkeypatch.delenv(JOIN_AT_ENV)
+    monkeypatch.delenv(JOIN_STALL_ENV)
     where = f"{name}, rank 3 killed after step {killed}"
     assert not _workers_left(), where
     assert summary["steps"] == STEPS and summary["workers"] == 4, where

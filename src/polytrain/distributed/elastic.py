@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +47,8 @@ from polytrain.log import get_logger
 PREFIX = "polytrain/elastic"
 HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distributed/heartbeat.py), keyed by slot
 _POLL_S = 0.02
+#: for tests: a replacement's main thread pauses this many seconds once admitted, before its heartbeat starts
+JOIN_STALL_ENV = "POLYTRAIN_INJECT_JOIN_STALL"
 
 
 class MembershipError(CommunicationError):
@@ -108,6 +111,13 @@ class Membership:
         self.heartbeat_timeout = heartbeat_timeout
         self.launched = launched  # slots at launch: 0 .. launched-1
         self._joins_seen = 0
+        self.interim_beat: _InterimBeat | None = None  # a replacement's, until its heartbeat starts
+
+    def heartbeat_started(self) -> None:
+        """This process's heartbeat beats for its slot now: a replacement's interim beats stop."""
+        if self.interim_beat is not None:
+            self.interim_beat.stop()
+            self.interim_beat = None
 
     def _key(self, *parts: Any) -> str:
         return "/".join([PREFIX, *map(str, parts)])
@@ -246,18 +256,17 @@ def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, ti
     _fresh_heartbeat(store, slot)
     with contextlib.suppress(Exception):
         store.delete_key(PREFIX + f"/admitted/{slot}")  # (an earlier replacement's)
+    beat = _InterimBeat(store, slot, heartbeat_timeout)  # until this process's heartbeat starts
     store.set(PREFIX + f"/join/{slot}", str(time.time()))
     store.add(PREFIX + "/join/count", 1)
     admitted, closed = PREFIX + f"/admitted/{slot}", PREFIX + "/closed"
     deadline = time.monotonic() + timeout.total_seconds()
-    beat, last_beat = f"{HEARTBEAT_PREFIX}/beat/{slot}", 0.0
     while not store.check([admitted]):
-        if time.monotonic() - last_beat >= min(1.0, heartbeat_timeout / 4):  # the slot's beat, until its own
-            store.add(beat, 1)                                                  # heartbeat starts
-            last_beat = time.monotonic()
         if store.check([closed]):
+            beat.stop()
             return None
         if time.monotonic() > deadline:
+            beat.stop()
             raise CommunicationError(f"--on-failure continue: the replacement for worker slot {slot} was not "
                                      f"admitted within --timeout {timeout.total_seconds():g} s")
         time.sleep(_POLL_S)
@@ -265,11 +274,39 @@ def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, ti
     generation = Generation.from_json(store.get(PREFIX + f"/g{number}/decision"))
     membership = Membership(store, slot, generation, backend=backend, device=device, timeout=timeout, lost=lost,
                             heartbeat_timeout=heartbeat_timeout, launched=launched)
+    membership.interim_beat = beat
     membership.make_group()
     membership.watch()
+    if os.environ.get(JOIN_STALL_ENV):  # (tests: a main thread starved past --heartbeat-timeout here)
+        time.sleep(float(os.environ[JOIN_STALL_ENV]))
     get_logger().info(f"replacement for worker slot {slot} admitted: {len(generation.slots)} workers from step "
                       f"{generation.step}")
     return membership
+
+
+class _InterimBeat:
+    """A replacement's beats on its slot's counter from its registration until its own heartbeat
+    (:mod:`polytrain.distributed.heartbeat`) starts, which is after it was admitted and made the new group: the
+    members watch the slot again from the admission on, and a starved main thread must not look like a death.
+    Its own thread and store connection, as the heartbeat's; ``where`` is published at once, so a report names
+    this process, not the one it replaces."""
+
+    def __init__(self, store: dist.Store, slot: int, heartbeat_timeout: float):
+        self._store, self._key = store.clone(), f"{HEARTBEAT_PREFIX}/beat/{slot}"
+        self._store.set(f"{HEARTBEAT_PREFIX}/where/{slot}", json.dumps({"host": socket.gethostname(),
+                                                                          "pid": os.getpid()}))
+        self._interval = min(1.0, heartbeat_timeout / 4)
+        self._stopped = threading.Event()
+        self._store.add(self._key, 1)
+        threading.Thread(target=self._run, name=f"polytrain-interim-beat-{slot}", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            with contextlib.suppress(Exception):  # the store gone: the members' heartbeat says so, not this
+                self._store.add(self._key, 1)
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def _fresh_heartbeat(store: dist.Store, slot: int) -> None:

@@ -115,6 +115,8 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
                            connect_timeout=job.timeout_s, names=job.rank_names,
                            report=lambda error: send_report(conn, "error", describe_exception(error)),
                            lost=topology.lost)
+        if membership is not None:
+            membership.heartbeat_started()
 
         apply_memory_limit(job.memory_limit, topology.device, rank)  # counted from here: docs/devices.md
         try:
