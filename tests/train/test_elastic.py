@@ -7,7 +7,6 @@ starts."""
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
