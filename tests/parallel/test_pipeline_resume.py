@@ -61,10 +61,12 @@ def _end(path):
 @pytest.mark.parametrize("layout", [dict(strategy="pipeline", stages=2),
                                     dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2)],
                          ids=["pipeline", "hybrid"])
-def test_a_finished_run_resumed_evaluates_its_model_and_says_nothing_was_left(capfd, tmp_path, layout):
-    # the first run through fit in this process (its workers from this process's forkserver); the resumed one,
-    # whose output is checked, through the command's main here (a fresh process's imports saved; the workers print
-    # to this process's file descriptors: capfd)
+def test_a_finished_run_resumed_evaluates_its_model_and_says_nothing_was_left(capfd, monkeypatch, tmp_path, layout):
+    # both runs in this process, not as python -m polytrain (a fresh process's imports saved each): the first
+    # through fit, the resumed one, whose output is checked, through the command's main. Their workers are
+    # forked from this process (POLYTRAIN_START_METHOD=fork), so that what rank 0 prints reaches this test's
+    # capfd: a worker from a forkserver started earlier writes to the forkserver's stdout
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     checkpoints = str(tmp_path / "c")
     polytrain.fit(**MODEL_ARGS, **layout, checkpoint_dir=checkpoints, metrics_file=str(tmp_path / "a.jsonl"),
                   save_model=str(tmp_path / "a.pt"))
