@@ -70,7 +70,7 @@ _REGISTRY: dict[str, type[Strategy]] = {}
 #: the modules that register polytrain's own strategies, imported at the first look-up (not by the package's
 #: ``__init__``: the strategies import each other's helpers, and importing one first must not meet another half
 #: imported)
-_BUILTINS = ("polytrain.strategies.single", "polytrain.strategies.sync", "polytrain.strategies.periodic",
+BUILTIN_STRATEGIES = ("polytrain.strategies.single", "polytrain.strategies.sync", "polytrain.strategies.periodic",
              "polytrain.parallel.pp.strategy", "polytrain.parallel.fsdp", "polytrain.parallel.tp.strategy",
              "polytrain.strategies.ps.strategy")
 _loaded = False
@@ -81,7 +81,7 @@ def _builtins() -> dict[str, type[Strategy]]:
     global _loaded
     if not _loaded:
         _loaded = True
-        for module in _BUILTINS:
+        for module in BUILTIN_STRATEGIES:
             importlib.import_module(module)
     return _REGISTRY
 
