@@ -55,7 +55,7 @@ def start_context(job: Any = None) -> Any:
         from polytrain.strategies.registry import BUILTIN_STRATEGIES
 
         # (only read when the forkserver starts: once per launcher process)
-        ctx.set_forkserver_preload([*_PRELOAD, *BUILTIN_STRATEGIES])
+        ctx.set_forkserver_preload([*_PRELOAD, *dict.fromkeys(BUILTIN_STRATEGIES.values())])
     return ctx
 
 
