@@ -43,7 +43,7 @@ def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
     cut, exchange = set(degrees.cut()), cls.traits.exchange
     if cut <= set(cls.traits.cuts):
         return cls
-    found = [c for c in _REGISTRY.values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
+    found = [c for c in _everything().values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
     if found:
         return min(found, key=lambda c: (len(c.traits.cuts), c.traits.fills is None, c.name))
     given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut()
@@ -67,12 +67,38 @@ def strategy_class(config: Any, layout: Layout | None = None, processes: int | N
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+#: polytrain's own strategies: the module that registers each, imported when its name is first looked up (not
+#: by the package's ``__init__``: the strategies import each other's helpers, and importing one first must not
+#: meet another half imported; and a run of ``sync`` need not import pipelining, DTensor and the tracer)
+BUILTIN_STRATEGIES = {
+    "single": "polytrain.strategies.single",
+    "sync": "polytrain.strategies.sync",
+    "local-sgd": "polytrain.strategies.periodic",
+    "diloco": "polytrain.strategies.periodic",
+    "pipeline": "polytrain.parallel.pp.strategy",
+    "hybrid": "polytrain.parallel.pp.strategy",
+    "fsdp": "polytrain.parallel.fsdp",
+    "tp": "polytrain.parallel.tp.strategy",
+    "async": "polytrain.strategies.ps.strategy",
+}
+
+
+def _everything() -> dict[str, type[Strategy]]:
+    """The registry with every one of polytrain's own strategies in it."""
+    for module in dict.fromkeys(BUILTIN_STRATEGIES.values()):
+        importlib.import_module(module)
+    return _REGISTRY
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
+    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once (polytrain's own
+    names by their own modules, whether imported yet or not)."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    own = BUILTIN_STRATEGIES.get(cls.name)
+    if own is not None and cls.__module__ != own:
+        raise ValueError(f"strategy name '{cls.name}' is taken by {own} (polytrain's own); give "
+                         f"{cls.__module__}.{cls.__qualname__} another name")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         taken = _REGISTRY[cls.name]
         raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
@@ -82,12 +108,12 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 
 
 def available_strategies() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(BUILTIN_STRATEGIES))
 
 
 def registered() -> dict[str, type[Strategy]]:
     """Every registered strategy by name."""
-    return dict(_REGISTRY)
+    return dict(_everything())
 
 
 def get_strategy(name: str) -> type[Strategy]:
@@ -95,10 +121,12 @@ def get_strategy(name: str) -> type[Strategy]:
     defined in your own module works in every spawned worker too)."""
     if ":" in name:
         return _import_strategy(name)
+    if name not in _REGISTRY and name in BUILTIN_STRATEGIES:
+        importlib.import_module(BUILTIN_STRATEGIES[name])
     try:
         return _REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        close = difflib.get_close_matches(name, available_strategies(), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
                           f"{', '.join(available_strategies())}, or package.module:Class") from None
