@@ -107,6 +107,8 @@ class Trainer:
         run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main, tracking=cfg.tracking)
         try:
             run_log.start(s.config_flat, s.config_toml, s.start_step)
+            if self.elastic is not None:  # a rank that takes reporting over continues the trackers' runs
+                self.elastic.started(run_log)
             run_log.info(s.describe())
             summary = self._loop(run_log) if self.elastic is None else \
                 self.elastic.run(lambda: self._loop(run_log), run_log)  # --on-failure continue: survives a loss
@@ -454,5 +456,9 @@ def packed_efficiency(data: DataBundle) -> dict[str, float]:
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
-    return Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout,
-                   membership=getattr(ctx, "membership", None)).fit()
+    trainer = Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout,
+                      membership=getattr(ctx, "membership", None))
+    summary = trainer.fit()
+    # --on-failure continue: the job's summary is its last members' main rank's (the launcher takes the one
+    # result that is not None; a rank that was not main at the end may not have seen every change)
+    return summary if trainer.elastic is None or trainer.topology.is_main else None
