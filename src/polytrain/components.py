@@ -26,3 +26,10 @@ import polytrain.train.profile  # noqa: F401  (--profile STEPS)
 import polytrain.train.straggler  # noqa: F401  (--straggler)
 import polytrain.train.trackers  # noqa: F401  (--tracker mlflow|wandb)
 import polytrain.train.unit_options  # noqa: F401  (--activation-checkpointing, --compile)
+
+# polytrain's own strategies, whose modules register their sections (--stages, --microbatches, --sync-every,
+# --staleness, fsdp's and tp's options): the registry imports a strategy's module at the first look-up of its
+# name, but every flag and key must exist before any name is looked up (the parser, make_config)
+from polytrain.strategies.registry import registered as _registered  # noqa: E402
+
+_registered()
