@@ -147,7 +147,8 @@ def test_bf16_mixed_gathers_and_computes_in_bfloat16_and_keeps_float32_shards():
 
 
 def test_bf16_mixed_trains_as_float32_does(tmp_path):
-    run = dict(strategy="fsdp", workers=2, **LM, accumulate=1, clip_grad_norm=None, steps=30, eval_every=30)
+    # 15 steps (30 before): the evaluation losses 3.7291 (float32) and 3.7280 (bf16-mixed), 0.03 % apart
+    run = dict(strategy="fsdp", workers=2, **LM, accumulate=1, clip_grad_norm=None, steps=15, eval_every=15)
     full, _ = _fit(tmp_path, "fp32", **run)
     mixed, _ = _fit(tmp_path, "bf16", **run, precision="bf16-mixed")
     assert mixed["eval_loss"] == pytest.approx(full["eval_loss"], rel=0.02)
