@@ -18,6 +18,7 @@ import torch
 
 import polytrain
 from polytrain.train.checkpoint import Checkpointer
+from tests.helpers.cli_batch import fit_settings
 from tests.helpers.procs import alive, catches, descendants, worker_rank
 from tests.helpers.seed import draw
 
@@ -32,11 +33,6 @@ STRATEGIES = {
 }
 HANG_S = 600.0  # how long any wait goes on before it is a hang: the job gone after a signal (about a second here),
 #                a run to its end (seconds; minutes at a load of 30 on 2 cores)
-
-
-def _settings(args):
-    """``--name value`` flags as the keyword arguments of :func:`polytrain.fit`."""
-    return {flag[2:].replace("-", "_"): value for flag, value in zip(args[::2], args[1::2])}
 
 
 def _start(args, env):
@@ -108,7 +104,7 @@ def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bi
     args = [*COMMON, *STRATEGIES[name]]
     # the run never stopped, and below the resumed one, in this process (its forkserver is up already): only the
     # stopped run is about the command's own process
-    polytrain.fit(**_settings(args), save_model=str(tmp_path / "w.pt"))
+    polytrain.fit(**fit_settings(args), save_model=str(tmp_path / "w.pt"))
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = _start([*args, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)], cli_env)
     at = draw(f"sigterm[{name}]", 3, STEPS // 4)  # (the run has 90 steps left to be stopped in)
@@ -129,7 +125,7 @@ def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bi
         assert good is not None and good.step == stop and Checkpointer(ckpt).latest().name == f"step-{stop:08d}.pt"
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- the stopped run's stderr:\n{err[-4000:]}") from None
-    polytrain.fit(**_settings(args), checkpoint_dir=str(ckpt), resume=True, save_model=str(tmp_path / "r.pt"))
+    polytrain.fit(**fit_settings(args), checkpoint_dir=str(ckpt), resume=True, save_model=str(tmp_path / "r.pt"))
     assert _same(_model(tmp_path / "w.pt"), _model(tmp_path / "r.pt")), f"{name}: stopped after step {stop}"
 
 
