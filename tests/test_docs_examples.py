@@ -143,7 +143,7 @@ NEEDS = {"transformers": ("import transformers", "hf:models/")}
 _RUNNER = """
 import contextlib, json, subprocess, sys
 import polytrain.cli.main as cli
-stop_helpers, cli.stop_helper_processes = cli.stop_helper_processes, lambda: None
+stop_helpers, cli.stop_helper_processes = cli.stop_helper_processes, lambda **_: None
 codes = []
 for i, (kind, argv, out) in enumerate(json.loads(sys.stdin.read())):
     for stream in (sys.stdout, sys.stderr):

@@ -76,7 +76,7 @@ def test_a_layout_checks_itself():
     with pytest.raises(ValueError, match="roles must be"):
         Layout("x", ("boss",), (("dp", 1),), 1)
     with pytest.raises(ValueError, match="expendable ranks"):
-        Layout("x", ("trainer", "trainer"), (("dp", 2),), 2, expendable=(0,))
+        Layout("x", ("trainer", "trainer"), (("dp", 2),), 2, expendable=(2,))
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -106,3 +106,23 @@ def test_expendable_ranks_stopped_with_a_failed_job_are_no_warning(caplog):
                                                                        r"rank 0's bug on purpose"):
         _launch(_everyone_fails_but_rank_2_last)
     assert _warnings(caplog) == []
+
+
+def _rank_0_dies_then_rank_1(ctx):
+    if ctx.rank == 1:
+        _wait_until_lost(ctx, 0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_every_rank_expendable_the_job_fails_once_all_are_lost_naming_the_first(caplog):
+    """--on-failure continue's launch (every rank expendable, rank 0 too): a job whose ranks are all lost before
+    one reported its result is a failure, the first loss its cause (a survivor's result ends the job: that is
+    tests/train/test_elastic.py's)."""
+    with caplog.at_level("WARNING"), pytest.raises(WorkerError) as info:
+        launch(_rank_0_dies_then_rank_1, workers=2, device="cpu", backend="gloo", timeout=600, threads_per_worker=1,
+               heartbeat_timeout=HEARTBEAT, expendable=[0, 1], elastic=True)
+    assert re.fullmatch(r"worker rank 0 was killed by signal SIGKILL \(then rank\(s\) 1 failed too\); all workers "
+                        r"were stopped", str(info.value)), info.value
+    assert _warnings(caplog)[0] == "worker rank 0 was killed by signal SIGKILL; going on without it " \
+                                   "(--on-failure continue)"
+    assert leftover_children(os.getpid()) == []

@@ -141,12 +141,62 @@ def test_settings_continue_cannot_work_with_are_one_line_before_anything_starts(
                       **{"workers": 2, **settings})
 
 
-def test_continue_under_torchrun_is_one_line(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("scheduler, says", [(None, "under torchrun the agent restarts every worker"),
+                                              ("slurm", "under srun rank 0 hosts the rendezvous store")])
+def test_continue_under_torchrun_or_a_scheduler_is_one_line(monkeypatch, scheduler, says):
     from polytrain.api import make_config
+    from polytrain.distributed.cluster import SCHEDULER_ENV
     from polytrain.distributed.layout import Layout
     from polytrain.train.on_failure import check_on_failure
 
-    with pytest.raises(ConfigError, match="needs polytrain's own launcher"):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if scheduler:  # (what adopt() writes for a task of srun)
+        monkeypatch.setenv(SCHEDULER_ENV, scheduler)
+    with pytest.raises(ConfigError, match=f"needs polytrain's own launcher .*: {says}"):
         check_on_failure(make_config(strategy="sync", on_failure="continue"), Layout.data_parallel("sync", 2))
+
+
+def test_rank_0_killed_the_lowest_survivor_reports_and_the_run_equals_4_then_3_workers(tmp_path, monkeypatch):
+    """Rank 0 (which logs, evaluates and writes checkpoints) SIGKILLed: the launcher holds the store and watches
+    the workers, so the other three go on without a restart, the lowest of them reporting from then on."""
+    steps, settings = 16, {**BASE, **STRATEGIES["sync"]}
+    killed = draw("elastic[rank 0]", 3, 8)
+    monkeypatch.setenv(KILL_ENV, f"rank=0,steps={killed}")
+    summary = polytrain.fit(workers=4, steps=steps, on_failure="continue", checkpoint_dir=str(tmp_path / "eck"),
+                            checkpoint_every=4, metrics_file=str(tmp_path / "elastic.jsonl"),
+                            log_example_ids=str(tmp_path / "elastic-ids.jsonl"),
+                            save_model=str(tmp_path / "elastic.pt"), **settings)
+    monkeypatch.delenv(KILL_ENV)
+    where = f"rank 0 killed after step {killed}"
+    assert not _workers_left(), where
+    assert summary["steps"] == steps and summary["workers"] == 3 and not summary.get("restarts"), where
+    assert summary["slots_lost"] == [0] and summary["slots_joined"] == [], where
+    assert [(c["step"], c["workers"], c["lost"]) for c in summary["membership_changes"]] == [(killed, 3, [0])], where
+    records = _records(tmp_path / "elastic.jsonl")
+    assert not [r for r in records if r.get("event") == "restart"], where
+    # the survivor that reports now wrote the change, the steps after it, the final evaluation and the end
+    assert [r["lost"] for r in records if r.get("event") == "membership"] == [[0]], where
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [steps], where
+    assert records[-1]["event"] == "end" and records[-1]["workers"] == 3 and summary["eval_loss"] is not None, where
+    # and the checkpoints after the kill, the last one holding the saved model
+    written = sorted(p.name for p in (tmp_path / "eck").glob("step-*.pt"))
+    assert written[-1] == f"step-{steps:08d}.pt" and len(written) >= 2, (where, written)
+    model = torch.load(tmp_path / "elastic.pt")
+    final = torch.load(tmp_path / "eck" / written[-1], weights_only=True)["model"]
+    assert all(torch.equal(final[k], model[k]) for k in model), where
+
+    # the chain: 4 workers to the kill's step, 3 from there (a checkpoint between them)
+    chain = dict(checkpoint_dir=str(tmp_path / "ck"), metrics_file=str(tmp_path / "chain.jsonl"),
+                 log_example_ids=str(tmp_path / "chain-ids.jsonl"), comm="backend", **settings)
+    polytrain.fit(workers=4, steps=killed, **chain)
+    polytrain.fit(workers=3, steps=steps, resume=True, save_model=str(tmp_path / "chain.pt"), **chain)
+    mine, theirs = _losses(tmp_path / "elastic.jsonl"), _losses(tmp_path / "chain.jsonl")
+    assert len(mine) >= steps - 1 and all(abs(mine[s] - theirs[s]) <= 1e-6 for s in mine), where
+    reference = torch.load(tmp_path / "chain.pt")
+    assert all((model[k] - reference[k]).abs().max().item() <= 1e-6 for k in reference), where
+
+    ids = read(tmp_path / "elastic-ids.jsonl")  # every global batch of an uninterrupted run, exactly once
+    plan = batch_plan(build_data("digits").train, BATCH, 0)
+    assert sorted(ids) == list(range(1, steps + 1)), where
+    assert all(ids[step]["ids"] == plan.global_indices(step - 1).tolist() for step in ids), where

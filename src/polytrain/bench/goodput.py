@@ -201,9 +201,7 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
                 ended_early = proc.returncode
                 break
             if due and time.monotonic() >= due[0]:
-                victims = workers_of(proc.pid)
-                if side == "continue":
-                    victims.pop(0, None)  # rank 0 logs and writes the metrics this suite reads
+                victims = workers_of(proc.pid)  # (continue: rank 0 too; the lowest survivor writes the metrics)
                 if victims:
                     rank = rng.choice(sorted(victims))
                     with _suppress():

@@ -20,7 +20,7 @@ from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.cli.main_light import Parser
 from polytrain.cli.starting import starting_done
-from polytrain.distributed.processes import stop_helper_processes
+from polytrain.distributed.processes import helper_processes, stop_helper_processes
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped
 from polytrain.strategies import available_strategies
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    found = helper_processes()  # (called inside a longer program: its own helpers are left running)
     parser = build_parser()
     args = None
     try:
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a command whose output pipe closed
     finally:
         starting_done()
-        stop_helper_processes()
+        stop_helper_processes(keep=found)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 on who is left, a replacement asks to join, and every membership gets a process group of its own.
 
 Each process of a spawned job has a *slot*: its rank at launch (a replacement takes the slot of the worker it
-replaces; the heartbeat watches slots). A *generation* is one membership: the slots that train together, in slot
-order (rank = place in that order), with a process group made afresh under its own store prefix
-(``polytrain/elastic/g<N>/pg``), so nothing a dead member published is ever read again.
+replaces; the heartbeat watches slots). A *generation* is one membership: the slots that train together, in rank
+order (rank = place in that order: the members that go on in their order, then the joiners in slot order), with a
+process group made afresh under its own store prefix (``polytrain/elastic/g<N>/pg``), so nothing a dead member
+published is ever read again.
 
 Going from generation N to N+1, to leave a lost member behind or to let joiners in (:meth:`Membership.change`):
 
@@ -21,7 +22,10 @@ Going from generation N to N+1, to leave a lost member behind or to let joiners 
 
 A replacement (:func:`join`) registers under ``join/<slot>`` and waits for ``admitted/<slot>`` (or for the job
 to end: ``closed``); the members look for joiners at step boundaries (:meth:`Membership.joiners_waiting`).
-Slot 0 is never lost by this: it logs, evaluates and writes checkpoints, and its loss ends the job.
+
+Any slot may be lost, slot 0 included: the store is the launching process's, and so is the supervision
+(:mod:`polytrain.distributed.launch`). The generation's rank 0 logs, evaluates and writes checkpoints: after a
+loss of the one that did, the lowest surviving rank; a joiner never takes it over, as it comes last.
 """
 
 from __future__ import annotations
@@ -174,7 +178,8 @@ class Membership:
             missing = [s for s in old.slots if s not in arrived and not self._dead(s)]
             if not missing:
                 joiners = self._joiners() if admit else []
-                proposal = Generation(number, tuple(sorted(set(arrived) | set(joiners))),
+                members = tuple(s for s in old.slots if s in arrived)  # in their order: rank 0 stays if it can
+                proposal = Generation(number, members + tuple(sorted(set(joiners) - set(members))),
                                       tuple(sorted(arrived.items())), tuple(sorted(joiners)),
                                       tuple(s for s in old.slots if s not in arrived))
                 self.store.compare_set(decision_key, "", proposal.to_json())
@@ -242,6 +247,17 @@ class Membership:
         """The process of ``slot`` ended: the launcher marked it (at once), a replacement for it registered (the
         launcher starts one only then), or the heartbeat reported it (within its bound)."""
         return slot in self.lost or self.store.check([self._key("dead", slot)]) or self._joining(slot)
+
+    def note(self, record: dict[str, Any]) -> None:
+        """The main rank's record of the change to the current generation, kept in the store: the summary lists
+        every change since launch, whichever member reports it (:meth:`changes`)."""
+        self.store.set(self._key(f"g{self.generation.number}", "record"), json.dumps(record))
+
+    def changes(self) -> list[dict[str, Any]]:
+        """The records of every change so far, in order (a generation that was agreed but left again before its
+        group trained has none)."""
+        keys = [self._key(f"g{number}", "record") for number in range(1, self.generation.number + 1)]
+        return [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]
 
     def close(self) -> None:
         """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""

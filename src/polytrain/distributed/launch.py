@@ -10,9 +10,10 @@ rank order. Three ways in, one result:
 * otherwise N processes are spawned, rendezvous through a store that listens on 127.0.0.1 only, and
   are supervised: if one dies, the rest are stopped and the error names the rank.
 
-``expendable`` ranks (``--tolerate-worker-loss``; never rank 0) are the exception, with spawned workers only:
-when one dies the others go on, learn of it from their heartbeat through ``ctx.topology.lost``
-(:mod:`polytrain.distributed.lost`), and its result is None.
+``expendable`` ranks (``--tolerate-worker-loss``: never rank 0; ``--on-failure continue``: any rank) are the
+exception, with spawned workers only: when one dies the others go on, learn of it from their heartbeat through
+``ctx.topology.lost`` (:mod:`polytrain.distributed.lost`), and its result is None. The rendezvous store and the
+supervision live in the launching process, so no worker's death takes them.
 
 The launching process owns its job: spawned workers die with it (killed or not, at any moment), and
 ``launch(..., stop=StopSignal())`` makes a signal to it or to any worker a request for an orderly stop that
@@ -153,9 +154,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     memory (``cache``: kept for reuse; ``release``: glibc's default), see :mod:`polytrain.devices.host_memory`.
     ``rank_names`` says what each rank is when its failure is reported (default "worker rank N").
     ``heartbeat_timeout``: a rank silent this long is reported on every other rank, which then exits
-    (:mod:`polytrain.distributed.heartbeat`; 0: off). ``expendable`` ranks (1..N-1) may die without ending
-    the job: the others learn of it through ``ctx.topology.lost``, and their result is None; this needs
-    spawned workers (not torchrun) and the heartbeat. With one worker it means nothing.
+    (:mod:`polytrain.distributed.heartbeat`; 0: off). ``expendable`` ranks (1..N-1; 0 too with ``elastic``) may
+    die without ending the job: the others learn of it through ``ctx.topology.lost``, and their result is None;
+    this needs spawned workers (not torchrun) and the heartbeat. With one worker it means nothing.
 
     ``stop``: the caller's :class:`~polytrain.distributed.stop.StopSignal`, with its signal handlers installed
     (:meth:`~polytrain.distributed.stop.StopSignal.handling`): a stop signal to this process or to any worker
@@ -212,17 +213,20 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory, heartbeat_timeout=heartbeat_timeout,
                rank_names=tuple(rank_names) if rank_names else None,
-               expendable=_check_expendable(expendable, count, heartbeat_timeout), orderly_stop=stop is not None,
+               expendable=_check_expendable(expendable, count, heartbeat_timeout, elastic),
+               orderly_stop=stop is not None,
                layout=layout, memory_limit=memory_limit, elastic=elastic)
     return _spawn(job, master_port, rank_names, stop, replacements)
 
 
-def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_timeout: float) -> tuple[int, ...]:
-    """The expendable ranks of a spawned job of ``world_size``, checked."""
+def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_timeout: float,
+                      elastic: bool = False) -> tuple[int, ...]:
+    """The expendable ranks of a spawned job of ``world_size``, checked; with ``elastic`` (``--on-failure
+    continue``: the members agree on who logs, evaluates and checkpoints after a loss) rank 0 may be one."""
     ranks = tuple(sorted(set(int(rank) for rank in expendable)))
     if not ranks:
         return ()
-    outside = [rank for rank in ranks if not 1 <= rank < world_size]
+    outside = [rank for rank in ranks if not (0 if elastic else 1) <= rank < world_size]
     if outside:
         raise ConfigError(f"expendable rank(s) {', '.join(map(str, outside))}: must be in 1..{world_size - 1} "
                           f"(a job of {world_size} processes; rank 0, which logs, evaluates and checkpoints, "

@@ -39,7 +39,8 @@ class Layout:
     """``roles[r]`` and ``names[r]`` of each rank ``r``; ``axes``: (name, size) in mesh order over the trainer
     ranks (their sizes multiply to the number of trainers); ``slices``: how many slices each global batch is
     cut into (the data-parallel width: ``--worker-batch-size B`` means ``slices * B`` examples a step);
-    ``expendable``: the ranks the job goes on without (``--tolerate-worker-loss``); ``meets_every``: the
+    ``expendable``: the ranks the job goes on without (``--tolerate-worker-loss``: never rank 0; ``--on-failure
+    continue``: every rank); ``meets_every``: the
     trainer ranks take part in a collective over all of them every this many steps (1: every step; 0: only at
     the trainer's own log points), where an orderly stop can be agreed (:mod:`polytrain.distributed.stop`)."""
 
@@ -73,8 +74,8 @@ class Layout:
             raise ValueError(f"axes {dict(self.axes)} hold {product} ranks, but {len(self.trainers)} train")
         if not 1 <= self.slices:
             raise ValueError(f"slices must be >= 1, got {self.slices}")
-        if any(not 0 < rank < self.processes for rank in self.expendable):
-            raise ValueError(f"expendable ranks {self.expendable} must be in 1..{self.processes - 1}")
+        if any(not 0 <= rank < self.processes for rank in self.expendable):
+            raise ValueError(f"expendable ranks {self.expendable} must be in 0..{self.processes - 1}")
 
     @classmethod
     def data_parallel(cls, strategy: str, workers: int, meets_every: int = 1) -> "Layout":

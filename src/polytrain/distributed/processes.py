@@ -112,27 +112,37 @@ def _ready() -> None:
     """The forkserver's first child: nothing to do (it proves the forkserver has imported and forks)."""
 
 
-def stop_helper_processes(timeout: float = 5.0) -> None:
-    """End this process's multiprocessing forkserver and resource tracker now (they would outlive the
-    command by seconds otherwise, which a scheduler sees as a job still running). The forkserver holds
-    nothing to clean up and may still be importing torch: it is killed; the resource tracker is asked to end
-    (it removes what a killed worker left registered) and killed after ``timeout`` seconds. Reaches into
-    multiprocessing's own bookkeeping (``_forkserver``, ``_resource_tracker``): the standard library stops
-    them only at exit."""
+def _helpers() -> list[tuple[Any, str, str, bool]]:
+    """This process's multiprocessing helpers: (owner, its pid's attribute, its pipe's attribute, whether it is
+    given time to end by itself)."""
     from multiprocessing import forkserver, resource_tracker
 
-    for owner, pid_attr, fd_attr, grace in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid",
-                                             "_forkserver_alive_fd", 0.0),
-                                            (getattr(resource_tracker, "_resource_tracker", None), "_pid", "_fd",
-                                             timeout)):
+    return [(getattr(forkserver, "_forkserver", None), "_forkserver_pid", "_forkserver_alive_fd", False),
+            (getattr(resource_tracker, "_resource_tracker", None), "_pid", "_fd", True)]
+
+
+def helper_processes() -> set[int]:
+    """The pids of this process's running forkserver and resource tracker (none: empty)."""
+    return {pid for owner, pid_attr, _, _ in _helpers() if (pid := getattr(owner, pid_attr, None)) is not None}
+
+
+def stop_helper_processes(timeout: float = 5.0, keep: set[int] | frozenset[int] = frozenset()) -> None:
+    """End this process's multiprocessing forkserver and resource tracker now (they would outlive the
+    command by seconds otherwise, which a scheduler sees as a job still running), except those in ``keep``
+    (a command run inside a longer program leaves the helpers that program had before it as it found them).
+    The forkserver holds nothing to clean up and may still be importing torch: it is killed; the resource
+    tracker is asked to end (it removes what a killed worker left registered) and killed after ``timeout``
+    seconds. Reaches into multiprocessing's own bookkeeping (``_forkserver``, ``_resource_tracker``): the
+    standard library stops them only at exit."""
+    for owner, pid_attr, fd_attr, waits in _helpers():
         pid, fd = getattr(owner, pid_attr, None), getattr(owner, fd_attr, None)
-        if pid is None or fd is None:
+        if pid is None or fd is None or pid in keep:
             continue
         with contextlib.suppress(OSError):
             os.close(fd)  # its end of the "alive" pipe: the helper exits when every copy is closed
         setattr(owner, fd_attr, None)
         setattr(owner, pid_attr, None)
-        _reap(pid, grace)
+        _reap(pid, timeout if waits else 0.0)
 
 
 def _reap(pid: int, timeout: float) -> None:

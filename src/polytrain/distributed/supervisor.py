@@ -8,6 +8,10 @@ Expendable ranks (``--tolerate-worker-loss``) are the exception: one that fails 
 without a result) is logged as a warning and the others go on. Only while the job itself is sound: an
 expendable rank's failure that comes after another rank's, or that reports the loss of a rank the job
 cannot do without (its heartbeat's PeerLostError), is part of the job's failure.
+
+Where every rank is expendable (``--on-failure continue``: rank 0 too), the job is done once one rank has
+reported a result that is not None (the members' main rank reports the summary, the others None); the job
+fails when every rank was lost before that.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class _Watch:
         self.needed_done_at: float | None = None  # when the last rank that is not expendable was done
         self.replace: Callable[[int], tuple[Any, Connection] | None] | None = None
         self.retired: list[Any] = []  # processes replaced by another in their rank
+        self.losses: list[Failure] = []  # how the expendable ranks lost were: the cause if every rank is lost
 
     def run(self) -> None:
         while self.alive or self.pending:
@@ -161,6 +166,9 @@ class _Watch:
             for rank in [r for r in silent if r in self.expendable]:
                 self._lose(rank, "exited without reporting a result")
             silent = [rank for rank in silent if rank not in self.expendable]
+        if not self.failures and self._all_expendable() and not self._finished():  # every rank lost: a failure
+            self.failures = self.losses or [Failure(rank, "stopped", what, at=time.monotonic())
+                                            for rank, what in sorted(self.lost.items())]
         # stopped by stop_all, or gone without a word: the cause only when nothing else failed (a frozen rank
         # that its peers' heartbeats reported is named by them)
         self.failures += [Failure(rank, "stopped", "exited without reporting a result", at=time.monotonic())
@@ -204,6 +212,7 @@ class _Watch:
         if failure.rank in self.expendable and not self.failures and not failure.ends_job(self.expendable):
             verb = "" if failure.kind in ("signal", "exit", "stopped") else "failed: "
             self._lose(failure.rank, f"{verb}{failure.message}", failure.details)
+            self.losses.append(failure)
         else:
             self.failures.append(failure)
 
@@ -233,8 +242,18 @@ class _Watch:
         return sorted(set(self.alive.values()) | set(self.pending.values()))
 
     def _needed_done(self) -> bool:
-        """Every rank that is not expendable has ended (reported, and its process exited)."""
+        """Every rank that is not expendable has ended (reported, and its process exited); where every rank is
+        expendable, one has reported the job's result."""
+        if self._all_expendable():
+            return self._finished()
         return all(rank in self.expendable for rank in self._running())
+
+    def _all_expendable(self) -> bool:
+        return len(self.expendable) == len(self.processes)
+
+    def _finished(self) -> bool:
+        """A rank reported a result that is not None (where every rank is expendable: the job's summary)."""
+        return any(result is not None for result in self.results.values())
 
     def _deadline(self) -> float | None:
         """When to stop waiting: after the settle time once a rank failed, or the strays' grace once done."""

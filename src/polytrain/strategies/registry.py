@@ -43,7 +43,7 @@ def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
     cut, exchange = set(degrees.cut()), cls.traits.exchange
     if cut <= set(cls.traits.cuts):
         return cls
-    found = [c for c in _REGISTRY.values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
+    found = [c for c in _builtins().values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
     if found:
         return min(found, key=lambda c: (len(c.traits.cuts), c.traits.fills is None, c.name))
     given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut()
@@ -67,12 +67,30 @@ def strategy_class(config: Any, layout: Layout | None = None, processes: int | N
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+#: the modules that register polytrain's own strategies, imported at the first look-up (not by the package's
+#: ``__init__``: the strategies import each other's helpers, and importing one first must not meet another half
+#: imported)
+_BUILTINS = ("polytrain.strategies.single", "polytrain.strategies.sync", "polytrain.strategies.periodic",
+             "polytrain.parallel.pp.strategy", "polytrain.parallel.fsdp", "polytrain.parallel.tp.strategy",
+             "polytrain.strategies.ps.strategy")
+_loaded = False
+
+
+def _builtins() -> dict[str, type[Strategy]]:
+    """The registry, polytrain's own strategies in it."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in _BUILTINS:
+            importlib.import_module(module)
+    return _REGISTRY
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    _builtins()  # (a name of polytrain's own is taken, whichever is imported first)
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         taken = _REGISTRY[cls.name]
         raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
@@ -82,12 +100,12 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 
 
 def available_strategies() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_builtins())
 
 
 def registered() -> dict[str, type[Strategy]]:
     """Every registered strategy by name."""
-    return dict(_REGISTRY)
+    return dict(_builtins())
 
 
 def get_strategy(name: str) -> type[Strategy]:
@@ -96,7 +114,7 @@ def get_strategy(name: str) -> type[Strategy]:
     if ":" in name:
         return _import_strategy(name)
     try:
-        return _REGISTRY[name]
+        return _builtins()[name]
     except KeyError:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""

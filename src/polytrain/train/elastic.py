@@ -24,6 +24,13 @@ from disk. A replacement waiting to join is looked for at step boundaries (``syn
 ``local-sgd``, ``diloco``: meetings): rank 0 reads one store counter, and one one-element all-reduce tells
 the others.
 
+The generation's rank 0 logs, evaluates, writes checkpoints and ``--save-model`` and reports the job's summary
+(the other members return None to the launcher). When it is lost, the lowest surviving rank takes that over at
+the change: its console speaks, the metrics file (and TensorBoard) get its records, appended, and the summary it
+reports lists every membership change since launch (``membership_changes``: the main rank of each generation
+keeps its record in the store). A joiner comes last in the order, so it takes that over only when every member
+from before it is lost.
+
 ``--log-example-ids``: the survivors' records of the steps since the last log point are written at the change;
 a lost worker's slices of committed steps are the ones the plan gave it (it cannot report them), listed under
 ``unobserved`` (their slice indices).
@@ -44,7 +51,7 @@ import torch
 from polytrain.data.batches import Slice
 from polytrain.distributed.elastic import Generation, Membership, MembershipError
 from polytrain.errors import CommunicationError
-from polytrain.log import get_logger
+from polytrain.log import get_logger, setup_logging
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
 from polytrain.train.lr_schedules import scaled_lr
 from polytrain.train.on_failure import continuing
@@ -88,6 +95,7 @@ class ElasticRun:
         self.committed = self.session.start_step
         self.snapshot: dict[str, Any] | None = None
         self.changes: list[dict[str, Any]] = []
+        self._speaking_as = membership.slot  # the rank this process's logging was set up for (at launch: its slot)
         self._carry: tuple[Any, ...] | None = None  # a change under way: the state it continues from
         self._waited = False  # (tests, JOIN_AT_ENV: this process waited for a joiner once already)
         self._remember(trainer.strategy)
@@ -118,6 +126,7 @@ class ElasticRun:
                 failed = True
         if self.trainer.topology.is_main:
             self.membership.close()
+            self.changes = self.membership.changes()  # every change since launch, this process's or not
         summary["membership_changes"] = self.changes
         summary["slots_lost"] = [slot for c in self.changes for slot in c["lost"]]
         summary["slots_joined"] = [slot for c in self.changes for slot in c["joined"]]
@@ -186,6 +195,8 @@ class ElasticRun:
         generation = self.membership.change(self.committed, cut=failed,
                                             admit=at is None or self.committed >= int(at))
         strategy = self._rebuild()
+        if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
+            run_log.take_over(trainer.config.tracking)
         self._receive_into(strategy, generation, state)
         self._carry = None
         self._keep(strategy)
@@ -195,10 +206,13 @@ class ElasticRun:
                   "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
         self.changes.append(record)
         if trainer.topology.is_main:
+            self.membership.note(record)
             run_log._write({"event": "membership", **record, "unix_time": time.time()})
             what = []
             if generation.lost:
                 what.append(f"worker slot(s) {', '.join(map(str, generation.lost))} lost")
+            if old_generation.slots[0] in generation.lost:
+                what.append(f"worker slot {self.membership.slot} logs, evaluates and saves from here on")
             if generation.joined:
                 what.append(f"replacement(s) for slot(s) {', '.join(map(str, generation.joined))} joined")
             get_logger().warning(f"{'; '.join(what) or 'membership renewed'}: going on with {len(generation.slots)} "
@@ -228,6 +242,10 @@ class ElasticRun:
         s.step_slices = s.slice
         trainer.strategy, trainer.topology = strategy, trainers
         trainer.stopping = trainer.stop.agreement(trainers.rank, trainers.world_size, trainers.timeout)
+        trainer.timed.deciding = trainers.is_main  # --checkpoint-every-seconds: the main rank's clock
+        if trainers.rank != self._speaking_as:  # the console as this rank's: the main one speaks
+            setup_logging(trainers.rank, trainers.world_size, all_ranks=trainer.config.launch.log_all_ranks)
+            self._speaking_as = trainers.rank
         self._wrap(strategy)
 
     def _receive_into(self, strategy: Any, generation: Generation, mine: dict[str, Any] | None = None) -> None:

@@ -1,5 +1,6 @@
 """Where a run reports: the console (a progress bar on a terminal, plain lines otherwise), a JSON-lines
-metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with sinks enabled.
+metrics file and TensorBoard. Only the main rank creates a :class:`RunLog` with sinks enabled (``--on-failure
+continue``: when it is lost, the new main rank's takes over, :meth:`RunLog.take_over`).
 
 The metrics file contract (other tools rely on it): one JSON object per line, each with ``event``:
 ``start`` (with the resolved ``config``), ``step`` (``step``, ``loss``, ``lr``, ``examples_per_sec`` and ``sec_per_batch`` (over the latest
@@ -104,6 +105,23 @@ class RunLog:
         if use_bar:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
+        self._open_files()
+
+    def take_over(self, tracking: Any = None) -> None:
+        """This rank reports from now on: the one that did was lost (``--on-failure continue``). The metrics file
+        and TensorBoard get its records from here on, appended; the console gets lines (no bar); an experiment
+        tracker's run was the lost rank's and is not continued (one warning)."""
+        if self.enabled:
+            return
+        self.enabled = True
+        self._open_files()
+        if tracking is not None and tracking.tracker:
+            self.log.warning(f"--tracker {' '.join(tracking.tracker)}: the tracker's run was the lost rank's and ends with it; "
+                             "the rest of this run's numbers go to the console"
+                             + (f" and {self.cfg.metrics_file}" if self.cfg.metrics_file else ""))
+
+    def _open_files(self) -> None:
+        cfg = self.cfg
         if cfg.metrics_file:
             Path(cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._metrics = open(cfg.metrics_file, "a", buffering=1)

@@ -28,10 +28,11 @@ CHOICES = ("stop", "continue")
 @dataclass
 class OnFailureConfig:
     on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
-                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco: when any "
-                                     "worker but rank 0 dies, the others go on from the current step with the "
-                                     "same global batch over fewer workers; with --max-restarts R a replacement "
-                                     "joins, up to R times; losing rank 0 still ends the job)", choices=CHOICES)
+                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco, with "
+                                     "--workers N on one machine: when any worker dies, rank 0 included, the others "
+                                     "go on from the current step with the same global batch over fewer workers, "
+                                     "the lowest surviving rank logging, evaluating and saving; with "
+                                     "--max-restarts R a replacement joins, up to R times)", choices=CHOICES)
 
 
 def continuing(config: Any) -> bool:
@@ -52,8 +53,14 @@ def check_on_failure(config: Any, layout: Any) -> None:
                           f"--on-failure stop with --max-restarts and checkpoints, or --strategy "
                           f"{' | '.join(supported)}")
     if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
-        raise ConfigError("--on-failure continue needs polytrain's own launcher (--workers N): under torchrun the "
-                          "agent restarts every worker when one dies; use --on-failure stop there")
+        from polytrain.distributed.cluster import scheduler
+
+        where = {"slurm": "under srun rank 0 hosts the rendezvous store, so its death ends the job",
+                 "mpi": "under mpirun rank 0 hosts the rendezvous store, so its death ends the job"}.get(
+            scheduler() or "", "under torchrun the agent restarts every worker when one dies")
+        raise ConfigError(f"--on-failure continue needs polytrain's own launcher (--workers N), whose process "
+                          f"holds the rendezvous store and watches the workers: {where}; use --on-failure stop "
+                          "with --max-restarts and checkpoints there")
     if layout.processes < 2:
         raise ConfigError("--on-failure continue needs at least 2 workers (--workers N)")
     from polytrain.distributed.launch import resolve_backend
@@ -75,8 +82,8 @@ def check_on_failure(config: Any, layout: Any) -> None:
 
 
 def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
-    """The config and layout to launch an ``--on-failure continue`` job with: every worker but rank 0 may be
-    lost, the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
+    """The config and layout to launch an ``--on-failure continue`` job with: any worker may be lost (the store
+    and the supervision are the launching process's), the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
     sync averages through the process group (shared memory cannot be rebuilt over the survivors)."""
     if not continuing(config):
         return config, layout
@@ -86,4 +93,4 @@ def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
     section = getattr(config, get_strategy(config.train.strategy).config_section, None)
     if getattr(section, "comm", None) == "auto":
         section.comm = "backend"
-    return config, replace(layout, expendable=tuple(range(1, layout.processes)))
+    return config, replace(layout, expendable=tuple(range(layout.processes)))

@@ -70,7 +70,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None,
 def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dict[str, Any] | None:
     """The first attempt, and one more after each restartable failure, up to ``--max-restarts``."""
     directory = config.checkpoint.checkpoint_dir
-    # --on-failure continue replaces lost workers; without checkpoints, losing rank 0 ends the job (no restart)
+    # --on-failure continue replaces lost workers (any rank); a restart is for a job that failed all the same
     limit = config.restart.max_restarts if directory or not continuing(config) else 0
     # one run per checkpoint directory, for every attempt (train/dirlock.py); --snapshot-every: the snapshots'
     with hold(directory), snapshot_space(config) as snapshots:  # place in memory (train/snapshot.py)

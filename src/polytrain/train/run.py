@@ -139,7 +139,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
     (None in the other processes of a torchrun job). With ``stop`` (its handlers installed by the caller), a
     stop signal ends the run in order and raises :class:`~polytrain.errors.RunStopped`."""
     layout = layout_of(config) if under_torchrun() else check(config, model=model, data=data)
-    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker but rank 0 may be lost
+    config, layout = launch_settings(config, layout)  # --on-failure continue: any worker may be lost
     results = launch(
         train_worker, config, model, data,
         device=config.device.device, backend=config.launch.backend, layout=layout,
@@ -149,7 +149,8 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop, memory_limit=config.device.memory_limit,
         elastic=continuing(config), replacements=config.restart.max_restarts if continuing(config) else 0,
     )
-    summary = results[0]  # under torchrun: this process's own
+    # under torchrun: this process's own; --on-failure continue: the last members' main rank's (the others: None)
+    summary = next((r for r in results if r is not None), None) if continuing(config) else results[0]
     if isinstance(summary, dict) and summary.get("stopped"):
         raise stopped_error(summary, stop.requested if stop is not None else None)
     if under_torchrun() and int(os.environ["RANK"]) != 0:

@@ -454,5 +454,9 @@ def packed_efficiency(data: DataBundle) -> dict[str, float]:
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,
                  data: DataBundle | None = None) -> dict[str, Any]:
     """The function ``polytrain train`` launches in every worker."""
-    return Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout,
-                   membership=getattr(ctx, "membership", None)).fit()
+    trainer = Trainer(config, ctx.topology, model=model, data=data, stop=ctx.stop, layout=ctx.layout,
+                      membership=getattr(ctx, "membership", None))
+    summary = trainer.fit()
+    # --on-failure continue: the job's summary is its last members' main rank's (the launcher takes the one
+    # result that is not None; a rank that was not main at the end may not have seen every change)
+    return summary if trainer.elastic is None or trainer.topology.is_main else None

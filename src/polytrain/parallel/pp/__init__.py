@@ -1,4 +1,2 @@
-"""``pipeline`` and ``hybrid`` strategies (:mod:`.strategy`), their schedules as data (:mod:`.plan`) and
-the model's split into stages (:mod:`.split`)."""
-
-from polytrain.parallel.pp import strategy  # noqa: F401  (registers pipeline and hybrid)
+"""``pipeline`` and ``hybrid`` strategies (:mod:`.strategy`, registered when the registry first looks a name up),
+their schedules as data (:mod:`.plan`) and the model's split into stages (:mod:`.split`)."""

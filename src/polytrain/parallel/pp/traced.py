@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.distributed.pipelining._IR import annotate_split_points

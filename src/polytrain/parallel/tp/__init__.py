@@ -1,3 +1,2 @@
-"""Tensor parallel: ``--strategy tp`` and the ``--tp`` axis of ``pipeline``/``hybrid``; plans in :mod:`.plan`."""
-
-from polytrain.parallel.tp import strategy  # noqa: F401  (registers tp)
+"""Tensor parallel: ``--strategy tp`` (:mod:`.strategy`, registered when the registry first looks a name up) and
+the ``--tp`` axis of ``pipeline``/``hybrid`` (:mod:`.axis`); plans in :mod:`.plan`."""
