@@ -135,11 +135,14 @@ def test_a_directory_without_a_good_checkpoint_is_one_line(run, tmp_path, capsys
         f"polytrain: error: {tmp_path / 'empty'}: no checkpoint there (no step-NNNNNNNN.pt file)"
 
 
-def test_resume_on_two_workers_continues_from_the_previous_good_checkpoint(run, capfd, tmp_path):
+def test_resume_on_two_workers_continues_from_the_previous_good_checkpoint(run, cli_env, tmp_path):
+    """A command of its own: its workers' lines are its output (workers forked from this process's forkserver
+    write where that server's output went when it started)."""
     ckpt = _flipped_copy(run, tmp_path)
     metrics = tmp_path / "resumed.jsonl"
-    proc = run_here(capfd, "train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(ckpt), "--resume",
-                    "--metrics-file", str(metrics))  # (capfd: what the workers print too)
+    proc = subprocess.run([sys.executable, "-m", "polytrain", "train", *TRAIN, "--steps", "20", "--checkpoint-dir",
+                           str(ckpt), "--resume", "--metrics-file", str(metrics)], env=cli_env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"warning: --resume: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 is " in proc.stdout
     assert f"resumed from step 10 ({ckpt / 'step-00000010.pt'})" in proc.stdout

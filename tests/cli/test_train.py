@@ -23,7 +23,7 @@ def end_event(path):
 
 def test_the_main_job_learns_the_digits(capfd, tmp_path):
     """`make demo` runs plain `polytrain train`: sync on local CPU workers, packaged digits (through the command's
-    main in this process; capfd: what its workers print too)."""
+    main in this process: the lines asserted are its own, not its workers')."""
     metrics = tmp_path / "m.jsonl"
     proc = run_here(capfd, "train", "--metrics-file", str(metrics), "--progress", "off")
     assert proc.returncode == 0, proc.stderr
