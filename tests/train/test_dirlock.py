@@ -32,11 +32,6 @@ SHORT = ["--strategy", "single", "--data", "digits", "--model", "mlp:hidden=16",
          "4", "--progress", "off", "--eval-every", "0"]
 
 
-def _polytrain(cli_env, *args):
-    return subprocess.run([sys.executable, "-m", "polytrain", *args], env=cli_env, capture_output=True, text=True,
-                          timeout=300)
-
-
 class Endless:
     """The endless run, started, waited for until it holds the lock and wrote a checkpoint, and killed at the end."""
 
@@ -157,11 +152,11 @@ def _stale_lock(directory, cli_env):
     return json.loads((directory / LOCK_NAME).read_text())
 
 
-def test_a_stale_lock_is_taken_over_with_one_warning_naming_the_old_owner(cli_env, tmp_path):
+def test_a_stale_lock_is_taken_over_with_one_warning_naming_the_old_owner(cli_env, tmp_path, capsys):
     directory = tmp_path / "ckpt"
     directory.mkdir()
     old = _stale_lock(directory, cli_env)
-    done = _polytrain(cli_env, "train", *SHORT, "--checkpoint-dir", str(directory))
+    done = run_here(capsys, "train", *SHORT, "--checkpoint-dir", str(directory))  # (single: no worker process)
     assert done.returncode == 0, done.stdout + done.stderr
     warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, done.stdout

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from polytrain.errors import CheckpointError
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.files import estimate_bytes
 from polytrain.train.integrity import verify
+from tests.helpers.cli_batch import run_here
 
 PAGE = 4096  # tmpfs counts whole pages
 # a 2-worker sync checkpoint of this model is about 187 kB, so a 300 kB tmpfs holds the first one and not the second
@@ -48,9 +48,11 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(where)], check=True)
 
 
-def _train(cli_env, *args):
-    return subprocess.run([sys.executable, "-m", "polytrain", "train", *COMMON, *args], env=cli_env,
-                          capture_output=True, text=True, timeout=300)
+def _train(capfd, monkeypatch, *args):
+    """The command's main in this process; its workers forked from this process (POLYTRAIN_START_METHOD=fork: no
+    fresh import of torch), so that what they write is captured with the command's own output."""
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
+    return run_here(capfd, "train", *COMMON, *args)
 
 
 def _only_the_first_checkpoint(directory):
@@ -61,9 +63,9 @@ def _only_the_first_checkpoint(directory):
 
 
 def test_a_checkpoint_that_does_not_fit_stops_the_run_with_one_line_and_the_previous_one_stays_latest(
-        small_fs, cli_env):
+        small_fs, capfd, monkeypatch):
     directory = small_fs(300 * 1024) / "c10"
-    done = _train(cli_env, "--strategy", "sync", "--workers", "2", "--checkpoint-dir", str(directory))
+    done = _train(capfd, monkeypatch, "--strategy", "sync", "--workers", "2", "--checkpoint-dir", str(directory))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
@@ -73,17 +75,16 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_with_one_line_and_the_prev
     assert where == str(directory) and int(needed) > int(free) > 0
     assert int(needed) >= 187  # the checkpoint's size, about
     _only_the_first_checkpoint(directory)
-    inspect = subprocess.run([sys.executable, "-m", "polytrain", "checkpoint", "inspect", str(directory)],
-                             env=cli_env, capture_output=True, text=True, timeout=120)
+    inspect = run_here(capfd, "checkpoint", "inspect", str(directory))
     assert inspect.returncode == 0, inspect.stderr
     assert "latest -> step-00000010.pt" in inspect.stdout
     assert "ok, size and SHA-256 match its manifest" in inspect.stdout
 
 
-def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_part(small_fs, cli_env):
+def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_part(small_fs, capfd, monkeypatch):
     """fsdp: each rank writes its part; one part the disk refuses undoes every part of that step."""
     directory = small_fs(300 * 1024) / "c10"
-    done = _train(cli_env, "--strategy", "fsdp", "--workers", "2", "--checkpoint-dir", str(directory))
+    done = _train(capfd, monkeypatch, "--strategy", "fsdp", "--workers", "2", "--checkpoint-dir", str(directory))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
@@ -97,9 +98,9 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_part(s
     assert verify(directory / "step-00000010.pt").verified
 
 
-def test_with_on_checkpoint_error_warn_the_run_goes_on_and_tries_every_checkpoint(small_fs, cli_env):
+def test_with_on_checkpoint_error_warn_the_run_goes_on_and_tries_every_checkpoint(small_fs, capfd, monkeypatch):
     directory = small_fs(300 * 1024) / "c10"
-    done = _train(cli_env, "--strategy", "single", "--checkpoint-dir", str(directory),
+    done = _train(capfd, monkeypatch, "--strategy", "single", "--checkpoint-dir", str(directory),
                   "--on-checkpoint-error", "warn")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done: 30 steps" in done.stdout
@@ -112,9 +113,9 @@ def test_with_on_checkpoint_error_warn_the_run_goes_on_and_tries_every_checkpoin
     _only_the_first_checkpoint(directory)
 
 
-def test_a_model_that_does_not_fit_is_one_line(small_fs, cli_env, tmp_path):
+def test_a_model_that_does_not_fit_is_one_line(small_fs, capfd, monkeypatch, tmp_path):
     small = small_fs(64 * 1024)
-    done = _train(cli_env, "--strategy", "single", "--checkpoint-dir", str(tmp_path / "ckpt"),
+    done = _train(capfd, monkeypatch, "--strategy", "single", "--checkpoint-dir", str(tmp_path / "ckpt"),
                   "--save-model", str(small / "model.pt"))
     assert done.returncode == 1, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()

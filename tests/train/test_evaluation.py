@@ -5,8 +5,6 @@ saved model and checkpoint are the first run's."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,29 +20,32 @@ RUN = dict(strategy="single", model="transformer_lm:layers=2,dim=128,heads=4",
 
 
 # the two runs in a fresh process, as the command runs them: the evaluation's batch is sized from the memory its
-# first batches take, which a long-lived process (a test worker after hundreds of tests) may already hold freed
-_RUNS = """
-import json, sys
-import polytrain
-from polytrain.errors import MemoryLimitError
-run, d = json.loads(sys.argv[1]), sys.argv[2]
-fitted = polytrain.fit(**run, save_model=d + "/fitted.pt", metrics_file=d + "/fitted.jsonl")
-try:
-    polytrain.fit(**run, eval_batch_size=1000, checkpoint_dir=d + "/ck", save_model=d + "/failed.pt")
-    message = None
-except MemoryLimitError as exc:
-    message = str(exc)
-print(json.dumps([fitted, message], default=str))
-"""
+# first batches take, which a long-lived process (a test worker after hundreds of tests) may already hold freed.
+# The process is forked from this process's forkserver (torch imported, nothing run), as a worker is.
+def _two_runs(run: dict, d: str) -> None:
+    import polytrain
+    from polytrain.errors import MemoryLimitError
+
+    fitted = polytrain.fit(**run, save_model=d + "/fitted.pt", metrics_file=d + "/fitted.jsonl")
+    try:
+        polytrain.fit(**run, eval_batch_size=1000, checkpoint_dir=d + "/ck", save_model=d + "/failed.pt")
+        message = None
+    except MemoryLimitError as exc:
+        message = str(exc)
+    with open(d + "/runs.json", "w") as fh:
+        json.dump([fitted, message], fh, default=str)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, module_cli_env):
+def runs(tmp_path_factory):
+    from polytrain.distributed.processes import start_context
+
     d = tmp_path_factory.mktemp("eval")
-    done = subprocess.run([sys.executable, "-c", _RUNS, json.dumps(RUN), str(d)], env=module_cli_env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    fitted, message = json.loads(done.stdout.strip().splitlines()[-1])
+    proc = start_context().Process(target=_two_runs, args=(RUN, str(d)))
+    proc.start()
+    proc.join(600)
+    assert proc.exitcode == 0, proc.exitcode
+    fitted, message = json.loads((d / "runs.json").read_text())
     assert message is not None, "an evaluation of 1000 examples at once fitted the limit"
     return d, fitted, message
 

@@ -1,9 +1,6 @@
 """--loss task|model: the default step is unchanged, a model's own loss trains sync == single, clear errors."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,10 +11,8 @@ from polytrain.data import build_data
 from polytrain.data.batches import BatchPlan
 from polytrain.models import build_model
 from polytrain.train.session import seed_everything
-from tests.conftest import SRC
 from tests.helpers.cli_batch import run_here
 
-ROOT = os.path.dirname(SRC)
 OWN = "tests.train.lm_factories:own_loss_lm"
 TINY = "transformer_lm:layers=1,dim=32,heads=2"
 RUN = dict(strategy="single", batch_size=8, optimizer="adam", lr=0.01, progress="off", log_every=1, eval_every=0,
@@ -95,15 +90,6 @@ def test_model_loss_sync_equals_single(tmp_path, sentences, workers, accumulate)
     assert any(not torch.allclose(task[k], v) for k, v in single.items())  # --loss model was in force
 
 
-def _train(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, ROOT]))  # workers import the test factories
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "polytrain", "train", "--progress", "lines", "--eval-every", "0",
-                           "--batch-size", "8", *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_the_opening_lines_say_which_loss(capsys):
     """The command's main in this process (single trains in the command's own process)."""
     text = ["--progress", "lines", "--eval-every", "0", "--batch-size", "8", "--data", "text:seq_len=16", "--steps",
@@ -120,12 +106,13 @@ def test_the_opening_lines_say_which_loss(capsys):
      "--loss model: the model returned no loss given labels= (Output without a .loss tensor)"),
     (TINY, ["--strategy", "single"], f"--loss model: the forward of --model {TINY} takes no labels= argument"),
 ])
-def test_a_model_without_its_own_loss_is_one_line(capsys, model, strategy, message):
-    """Sync's workers find it at their first step (a command of its own); single trains in the command's own
-    process (its main here)."""
+def test_a_model_without_its_own_loss_is_one_line(capfd, monkeypatch, model, strategy, message):
+    """Sync's workers find it at their first step, single in the command's own process; the command's main runs
+    here (sync's workers forked from this process, POLYTRAIN_START_METHOD=fork, so that what they write is
+    captured with the command's own output)."""
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     args = ["--model", model, "--loss", "model", "--data", "text:seq_len=16", "--steps", "5", *strategy]
-    proc = _train(*args) if "sync" in strategy else \
-        run_here(capsys, "train", "--progress", "lines", "--eval-every", "0", "--batch-size", "8", *args)
+    proc = run_here(capfd, "train", "--progress", "lines", "--eval-every", "0", "--batch-size", "8", *args)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "step 1" not in proc.stdout  # nothing was trained

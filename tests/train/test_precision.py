@@ -30,7 +30,7 @@ from polytrain.log import get_logger
 from polytrain.precision import Amp, Precision
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.trainer import Trainer
-from tests.helpers.cli_batch import run_many
+from tests.helpers.cli_batch import run_here
 
 LM = dict(model="transformer_lm:layers=1,dim=32,heads=2", data="text:seq_len=32", batch_size=16, optimizer="adam",
           lr=0.01, progress="off", log_every=1, eval_every=0, seed=0, threads_per_worker=1)
@@ -229,17 +229,12 @@ REFUSED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def refused(module_cli_env):
-    """Every line of REFUSED through the command's main, in one fresh process (tests/helpers/cli_batch.py)."""
-    results = run_many(module_cli_env, [["train", "--steps", "1", *args] for args, _ in REFUSED])
-    return {tuple(args): result for (args, _), result in zip(REFUSED, results)}
-
-
 @pytest.mark.parametrize("args, message", REFUSED)
-def test_precision_settings_that_cannot_work_are_one_line(refused, args, message):
-    proc = refused[tuple(args)]
+def test_precision_settings_that_cannot_work_are_one_line(capsys, args, message):
+    """Through the command's main in this process: each is refused before anything starts."""
+    proc = run_here(capsys, "train", "--steps", "1", *args)
     assert proc.returncode == 2
+    assert proc.stdout == ""  # nothing started
     assert proc.stderr.strip().splitlines() == [f"polytrain: error: {message}"], proc.stderr
 
 

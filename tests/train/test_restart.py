@@ -138,15 +138,17 @@ def test_the_command_line_summary_lists_the_restarts_and_their_causes():
     assert "restarts" not in format_summary(dict(summary, restarts=0))
 
 
-@pytest.mark.slow  # ~20 s: two torchrun attempts of fresh processes, and the uninterrupted run
-def test_under_torchrun_its_restart_resumes_from_the_checkpoint(tmp_path, cli_env):
+@pytest.mark.slow  # ~20 s: two torchrun attempts of fresh processes
+def test_under_torchrun_its_restart_resumes_from_the_checkpoint(tmp_path, cli_env, uninterrupted):
     """torchrun --max-restarts 1: rank 1 killed after step 7; torchrun's restart resumes step 4's checkpoint by
-    itself and the saved model equals an uninterrupted polytrain run's."""
+    itself and the saved model equals the uninterrupted polytrain run's (the module's sync reference: BASE's
+    settings on 2 workers)."""
     import subprocess
     import sys
 
-    args = ["--strategy", "sync", "--steps", "12", "--checkpoint-every", "4", "--data", "digits", "--model",
-            "mlp:hidden=16", "--batch-size", "32", "--progress", "off", "--eval-every", "0", "--lr", "0.05"]
+    args = ["--strategy", "sync", "--steps", str(STEPS), "--checkpoint-every", "4", "--data", BASE["data"],
+            "--model", BASE["model"], "--batch-size", str(BASE["batch_size"]), "--progress", "off", "--eval-every",
+            "0", "--log-every", str(BASE["log_every"]), "--lr", str(BASE["lr"])]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "--max-restarts", "1", "-m", "polytrain", "train", *args]
     env = dict(cli_env, **{KILL_ENV: "rank=1,steps=7"})
@@ -155,9 +157,9 @@ def test_under_torchrun_its_restart_resumes_from_the_checkpoint(tmp_path, cli_en
     assert run.returncode == 0, run.stderr[-3000:]
     assert "torchrun restart 1: resuming from the latest checkpoint" in run.stderr
     assert "resumed from step 4" in run.stdout + run.stderr and "restarts: 1" in run.stdout
-    polytrain.fit(save_model=str(tmp_path / "whole.pt"), workers=2, **dict(zip(
-        [a[2:].replace("-", "_") for a in args[::2]], args[1::2])))
-    whole, restarted = (torch.load(tmp_path / n, weights_only=True) for n in ("whole.pt", "t.pt"))
+    _, whole = uninterrupted("sync")
+    restarted = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert whole.keys() == restarted.keys()
     assert all(torch.equal(whole[k], restarted[k]) for k in whole)
 
 

@@ -2,14 +2,13 @@
 and an end summary that says nothing was trained (the model is evaluated and kept as it is)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import polytrain
 from polytrain.cli.train import format_summary
+from tests.helpers.cli_batch import run_here
 
 COMMON = ["--strategy", "sync", "--workers", "2", "--model", "mlp:hidden=32", "--data", "digits", "--batch-size",
           "32", "--seed", "3", "--eval-every", "0", "--progress", "off"]
@@ -20,9 +19,10 @@ def _end(tmp_path, name):
                 if e.get("event") == "end")
 
 
-def test_resuming_a_finished_sync_run_trains_nothing_and_says_so(cli_env, tmp_path):
+def test_resuming_a_finished_sync_run_trains_nothing_and_says_so(capfd, monkeypatch, tmp_path):
     """The first run through the API in this process (its workers from this process's forkserver); the two
-    resumed ones as commands."""
+    resumed ones through the command's main in this process too, their workers forked from it
+    (POLYTRAIN_START_METHOD=fork), so that what rank 0 writes is captured with the command's own output."""
     def paths(name):
         return ["--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
                 "--save-model", str(tmp_path / f"{name}.pt")]
@@ -39,9 +39,9 @@ def test_resuming_a_finished_sync_run_trains_nothing_and_says_so(cli_env, tmp_pa
         ("fewer", ["--steps", "5"], f"at or past --steps 5: nothing left to train (the model stays at step {steps}); "
                                     "raise --steps to train further"),
     ]
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     for name, args, warning in cases:
-        proc = subprocess.run([sys.executable, "-m", "polytrain", "train", *COMMON, *paths(name), "--resume", *args],
-                              env=cli_env, capture_output=True, text=True, timeout=300)
+        proc = run_here(capfd, "train", *COMMON, *paths(name), "--resume", *args)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         end, kept = _end(tmp_path, name), torch.load(tmp_path / f"{name}.pt", weights_only=True)
         out = proc.stdout

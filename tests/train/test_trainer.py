@@ -1,8 +1,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -56,46 +54,56 @@ def test_resume_continues_the_exact_trajectory(tmp_path, strategy, workers):
     assert summary["steps"] == 30
 
 
-KILLABLE = [sys.executable, "-m", "polytrain", "train", "--strategy", "single", "--data",
-            "synthetic:shape=3x24x24,size=2048", "--model", "cifar_cnn", "--batch-size", "32",
+KILLABLE = ["train", "--strategy", "single", "--data", "synthetic:shape=3x24x24,size=2048", "--model", "cifar_cnn",
+            "--batch-size", "32",
             "--lr-schedule", "exponential:rate=0.5,decay_steps=40", "--log-every", "1", "--progress", "off",
             "--eval-every", "0", "--checkpoint-every", "5", "--seed", "5",
             "--threads-per-worker", "1"]  # the killed run's process and the test's (tests/conftest.py) alike: the
 #                                           same sums, so the resumed run is bit for bit the whole one
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, cli_env, capsys):
+def _train_until_killed(argv):
+    from polytrain.cli.main import main
+
+    main(argv)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, capsys):
     # The killed run has more steps than it can reach, so the kill always lands mid-run however slowly this
     # test polls; the schedule does not depend on --steps, so the later runs may stop 15 steps after
-    # whichever checkpoint the kill left.
+    # whichever checkpoint the kill left. It is a process of its own, forked from this process's forkserver
+    # (torch imported, nothing run: no fresh import of torch), that runs the command's main.
+    from polytrain.distributed.processes import start_context
+
     ckpt = tmp_path / "ckpt"
-    run = subprocess.Popen(KILLABLE + ["--steps", "100000", "--checkpoint-dir", str(ckpt),
-                                       "--metrics-file", str(tmp_path / "killed.jsonl")],
-                           env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = start_context().Process(target=_train_until_killed, args=(
+        [*KILLABLE, "--steps", "100000", "--checkpoint-dir", str(ckpt), "--metrics-file",
+         str(tmp_path / "killed.jsonl")],))
+    run.start()
     deadline = time.monotonic() + 300  # a hang guard only
     while not (ckpt / "latest").exists():
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()
+        assert run.is_alive() and time.monotonic() < deadline, run.exitcode
         time.sleep(0.02)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
+    os.kill(run.pid, signal.SIGKILL)
+    run.join()
+    assert run.exitcode == -signal.SIGKILL
     left = Checkpointer(ckpt).latest().name  # step-00000005.pt: the resume loads it, this test only counts
     end = int(left[len("step-"):-len(".pt")]) + 15
     # the resumed and the whole run: single trains in the command's own process, so its main runs them here
-    # (a fresh process's import of torch each saved); the killed run above is a process of its own
     for args in (["--checkpoint-dir", str(ckpt), "--resume", "--metrics-file", str(tmp_path / "resumed.jsonl")],
                  ["--metrics-file", str(tmp_path / "whole.jsonl")]):
-        done = run_here(capsys, *KILLABLE[3:], "--steps", str(end), *args)
+        done = run_here(capsys, *KILLABLE, "--steps", str(end), *args)
         assert done.returncode == 0, done.stderr
     whole, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(end - 14, end + 1))
     assert all(resumed[s] == whole[s] for s in resumed)
 
 
-def test_nan_guard_stops_with_exit_code_and_step(tmp_path, cli_env):
+def test_nan_guard_stops_with_exit_code_and_step(tmp_path, capsys):
+    """The command's main in this process (single trains in the command's own process)."""
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "polytrain", "train", "--strategy", "single", "--model", "mlp",
-                           "--lr", "1e12", "--steps", "50", "--log-every", "1", "--progress", "lines",
-                           "--metrics-file", str(metrics)], env=cli_env, capture_output=True, text=True)
+    proc = run_here(capsys, "train", "--strategy", "single", "--model", "mlp", "--lr", "1e12", "--steps", "50",
+                    "--log-every", "1", "--progress", "lines", "--metrics-file", str(metrics))
     assert proc.returncode == 3
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("polytrain: error: model diverged at step ")

@@ -27,6 +27,8 @@ from polytrain.errors import ConfigError
 START_METHODS = ("forkserver", "spawn", "fork")
 
 
+#: what the forkserver imports once, so that no worker imports it again: polytrain's own strategies too (their
+#: modules import DTensor, pipelining and the tracer: seconds of CPU that every worker paid otherwise)
 _PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.worker",
             "polytrain.train.trainer"]
 
@@ -50,7 +52,10 @@ def start_context(job: Any = None) -> Any:
         raise ConfigError(f"POLYTRAIN_START_METHOD=fork: this process cannot fork its workers ({why}); unset it")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)  # only read when the forkserver starts (once per launcher process)
+        from polytrain.strategies.registry import BUILTIN_STRATEGIES
+
+        # (only read when the forkserver starts: once per launcher process)
+        ctx.set_forkserver_preload([*_PRELOAD, *dict.fromkeys(BUILTIN_STRATEGIES.values())])
     return ctx
 
 

@@ -43,7 +43,7 @@ def runner_for(cls: type[Strategy], degrees: Degrees) -> type[Strategy]:
     cut, exchange = set(degrees.cut()), cls.traits.exchange
     if cut <= set(cls.traits.cuts):
         return cls
-    found = [c for c in _builtins().values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
+    found = [c for c in _everything().values() if exchange and c.traits.exchange == exchange and cut <= set(c.traits.cuts)]
     if found:
         return min(found, key=lambda c: (len(c.traits.cuts), c.traits.fills is None, c.name))
     given = " ".join(f"--{a.replace('_', '-')} {getattr(degrees, a)}" for a in degrees.cut()
@@ -67,30 +67,38 @@ def strategy_class(config: Any, layout: Layout | None = None, processes: int | N
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
-#: the modules that register polytrain's own strategies, imported at the first look-up (not by the package's
-#: ``__init__``: the strategies import each other's helpers, and importing one first must not meet another half
-#: imported)
-_BUILTINS = ("polytrain.strategies.single", "polytrain.strategies.sync", "polytrain.strategies.periodic",
-             "polytrain.parallel.pp.strategy", "polytrain.parallel.fsdp", "polytrain.parallel.tp.strategy",
-             "polytrain.strategies.ps.strategy")
-_loaded = False
+#: polytrain's own strategies: the module that registers each, imported when its name is first looked up (not
+#: by the package's ``__init__``: the strategies import each other's helpers, and importing one first must not
+#: meet another half imported; and a run of ``sync`` need not import pipelining, DTensor and the tracer)
+BUILTIN_STRATEGIES = {
+    "single": "polytrain.strategies.single",
+    "sync": "polytrain.strategies.sync",
+    "local-sgd": "polytrain.strategies.periodic",
+    "diloco": "polytrain.strategies.periodic",
+    "pipeline": "polytrain.parallel.pp.strategy",
+    "hybrid": "polytrain.parallel.pp.strategy",
+    "fsdp": "polytrain.parallel.fsdp",
+    "tp": "polytrain.parallel.tp.strategy",
+    "async": "polytrain.strategies.ps.strategy",
+}
 
 
-def _builtins() -> dict[str, type[Strategy]]:
-    """The registry, polytrain's own strategies in it."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in _BUILTINS:
-            importlib.import_module(module)
+def _everything() -> dict[str, type[Strategy]]:
+    """The registry with every one of polytrain's own strategies in it."""
+    for module in dict.fromkeys(BUILTIN_STRATEGIES.values()):
+        importlib.import_module(module)
     return _REGISTRY
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once."""
+    """Class decorator: make ``cls`` available as ``--strategy cls.name``; a name is taken once (polytrain's own
+    names by their own modules, whether imported yet or not)."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    _builtins()  # (a name of polytrain's own is taken, whichever is imported first)
+    own = BUILTIN_STRATEGIES.get(cls.name)
+    if own is not None and cls.__module__ != own:
+        raise ValueError(f"strategy name '{cls.name}' is taken by {own} (polytrain's own); give "
+                         f"{cls.__module__}.{cls.__qualname__} another name")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         taken = _REGISTRY[cls.name]
         raise ValueError(f"strategy name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}; "
@@ -100,12 +108,12 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 
 
 def available_strategies() -> list[str]:
-    return sorted(_builtins())
+    return sorted(set(_REGISTRY) | set(BUILTIN_STRATEGIES))
 
 
 def registered() -> dict[str, type[Strategy]]:
     """Every registered strategy by name."""
-    return dict(_builtins())
+    return dict(_everything())
 
 
 def get_strategy(name: str) -> type[Strategy]:
@@ -113,10 +121,12 @@ def get_strategy(name: str) -> type[Strategy]:
     defined in your own module works in every spawned worker too)."""
     if ":" in name:
         return _import_strategy(name)
+    if name not in _REGISTRY and name in BUILTIN_STRATEGIES:
+        importlib.import_module(BUILTIN_STRATEGIES[name])
     try:
-        return _builtins()[name]
+        return _REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        close = difflib.get_close_matches(name, available_strategies(), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"--strategy: unknown strategy '{name}'{hint}; available: "
                           f"{', '.join(available_strategies())}, or package.module:Class") from None
