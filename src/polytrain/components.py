@@ -26,3 +26,10 @@ import polytrain.train.profile  # noqa: F401  (--profile STEPS)
 import polytrain.train.straggler  # noqa: F401  (--straggler)
 import polytrain.train.trackers  # noqa: F401  (--tracker mlflow|wandb)
 import polytrain.train.unit_options  # noqa: F401  (--activation-checkpointing, --compile)
+
+from polytrain.strategies.registry import registered  # noqa: E402
+
+# every built-in strategy's own section (--comm, --staleness, --stages, --microbatches, ...): a section is
+# registered when its strategy's module is imported, which the registry otherwise does at the first look-up of
+# that name, after the command line and fit()'s settings were read (which then refused them as unknown)
+registered()
