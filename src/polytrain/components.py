@@ -27,9 +27,9 @@ import polytrain.train.straggler  # noqa: F401  (--straggler)
 import polytrain.train.trackers  # noqa: F401  (--tracker mlflow|wandb)
 import polytrain.train.unit_options  # noqa: F401  (--activation-checkpointing, --compile)
 
-from polytrain.strategies.registry import registered  # noqa: E402
+# polytrain's own strategies, whose modules register their sections (--stages, --microbatches, --sync-every,
+# --staleness, fsdp's and tp's options): the registry imports a strategy's module at the first look-up of its
+# name, but every flag and key must exist before any name is looked up (the parser, make_config)
+from polytrain.strategies.registry import registered as _registered  # noqa: E402
 
-# every built-in strategy's own section (--comm, --staleness, --stages, --microbatches, ...): a section is
-# registered when its strategy's module is imported, which the registry otherwise does at the first look-up of
-# that name, after the command line and fit()'s settings were read (which then refused them as unknown)
-registered()
+_registered()

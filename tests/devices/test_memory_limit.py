@@ -40,11 +40,6 @@ def test_bad_sizes(text):
         parse_size(text)
 
 
-def _polytrain(*args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "polytrain", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_a_bad_limit_is_one_line_before_anything_starts(capsys):
     proc = run_here(capsys, "train", "--strategy", "sync", "--workers", "2", "--memory-limit", "0")
     assert proc.returncode == 2, proc.stderr
@@ -71,11 +66,33 @@ def _one_line_past_the_limit(stderr, ranks, limit=LIMIT):
     assert match and int(match.group(1)) in ranks and line.endswith(ADVICE), line
 
 
-def test_single_past_the_limit_fails_with_one_line(cli_env):
-    """Also where 4 fsdp ranks or 4 pipeline stages train (test_fsdp_and_pipeline_with_4_ranks_...)."""
-    proc = _polytrain("--strategy", "single", *MODEL, "--memory-limit", FOUR_RANKS_LIMIT, env=cli_env)
-    assert proc.returncode == 1
-    _one_line_past_the_limit(proc.stderr, [0], FOUR_RANKS_LIMIT)
+def _in_a_fresh_process(fn, *args, stderr=None) -> int:
+    """``fn(*args)`` in a process forked from this process's forkserver (torch imported, nothing run: what a
+    fresh command holds at its start, without its import of torch); its stderr into the file ``stderr``. The
+    process's exit code."""
+    from polytrain.distributed.processes import start_context
+
+    proc = start_context().Process(target=_redirected, args=(fn, args, stderr and str(stderr)))
+    proc.start()
+    proc.join(300)
+    return proc.exitcode
+
+
+def _redirected(fn, args, stderr):
+    import os
+
+    if stderr:
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+    sys.exit(fn(*args))
+
+
+def test_single_past_the_limit_fails_with_one_line(tmp_path):
+    """Also where 4 fsdp ranks or 4 pipeline stages train (test_fsdp_and_pipeline_with_4_ranks_...). The
+    command's main in a fresh process: single trains in it, limited from its start."""
+    code = _in_a_fresh_process(main, ["train", "--strategy", "single", *MODEL, "--memory-limit", FOUR_RANKS_LIMIT],
+                               stderr=tmp_path / "stderr")
+    assert code == 1
+    _one_line_past_the_limit((tmp_path / "stderr").read_text(), [0], FOUR_RANKS_LIMIT)
 
 
 def test_sync_past_the_limit_fails_with_one_line_and_every_rank_stopped(cli_env):
@@ -174,30 +191,26 @@ def test_the_peers_hear_the_limits_line_and_none_in_use_is_not_0_bytes(monkeypat
     assert "allocating memory with none of it in use yet would pass it" in beat.message, beat.message
 
 
-_COUNTS_FROM_START = """
-import resource, torch
-from polytrain.devices.memory_limit import limited, vm_data
-with limited("64MiB", torch.device("cpu")) as applied:
-    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
-    assert soft == applied.baseline + 64 * 2**20, (soft, applied.baseline)
-    assert applied.baseline <= vm_data()
-    kept = torch.empty(16 * 2**20, dtype=torch.uint8)  # within: fine
-    try:
-        torch.empty(80 * 2**20, dtype=torch.uint8)
-    except RuntimeError as exc:
-        assert "can't allocate memory" in str(exc)
-    else:
-        raise AssertionError("80 MiB past a 64MiB limit was allocated")
-print("ok")
-"""
+def _counts_from_start():
+    with limited("64MiB", torch.device("cpu")) as applied:
+        soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+        assert soft == applied.baseline + 64 * 2**20, (soft, applied.baseline)
+        assert applied.baseline <= vm_data()
+        kept = torch.empty(16 * 2**20, dtype=torch.uint8)  # within: fine
+        try:
+            torch.empty(80 * 2**20, dtype=torch.uint8)
+        except RuntimeError as exc:
+            assert "can't allocate memory" in str(exc)
+        else:
+            raise AssertionError("80 MiB past a 64MiB limit was allocated")
+        del kept
 
 
-def test_the_limit_counts_from_what_the_process_holds_at_its_start(python, cli_env):
+def test_the_limit_counts_from_what_the_process_holds_at_its_start(tmp_path):
     """In a fresh process: one that has run others' tests may hold freed memory in its heap, which counts in
     its baseline and serves an allocation without a new mapping."""
-    done = subprocess.run([python, "-c", _COUNTS_FROM_START], env=cli_env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    code = _in_a_fresh_process(_counts_from_start, stderr=tmp_path / "stderr")
+    assert code == 0, (tmp_path / "stderr").read_text()
 
 
 def test_the_cpu_limit_needs_linux(monkeypatch):
@@ -218,14 +231,15 @@ def test_a_kernel_that_does_not_enforce_the_limit_is_one_line_and_changes_nothin
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
 
 
-def test_a_hard_limit_below_the_asked_one_is_one_line(python):
-    script = """
-import resource, torch
-from polytrain.devices.memory_limit import apply_memory_limit, vm_data
-resource.setrlimit(resource.RLIMIT_DATA, (vm_data() + (256 << 20),) * 2)
-apply_memory_limit("1GiB", torch.device("cpu"), 0)
-"""
-    proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
+def _hard_limit_below():
+    resource.setrlimit(resource.RLIMIT_DATA, (vm_data() + (256 << 20),) * 2)
+    apply_memory_limit("1GiB", torch.device("cpu"), 0)
+
+
+def test_a_hard_limit_below_the_asked_one_is_one_line(tmp_path):
+    """In a fresh process: the hard limit it lowers cannot be raised again."""
+    code = _in_a_fresh_process(_hard_limit_below, stderr=tmp_path / "stderr")
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 1
     assert re.search(r"ConfigError: --memory-limit 1GiB: this process may not raise its data limit above "
-                     r"[\d.]+ MiB \(ulimit -d\), [\d.]+ MiB of which it holds at the start", proc.stderr), proc.stderr
+                     r"[\d.]+ MiB \(ulimit -d\), [\d.]+ MiB of which it holds at the start", stderr), stderr

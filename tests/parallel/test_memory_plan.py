@@ -4,8 +4,6 @@ state bytes exactly, the activations within 5 %."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from polytrain.config import make_config
 from polytrain.parallel.memory_plan import estimate_memory, probe_optimizer
 from polytrain.train.optim import OptimConfig, build_optimizer
 from polytrain.train.run import layout_of
+from tests.helpers.cli_batch import run_here
 
 LM = dict(model="transformer_lm:layers=2,dim=64,heads=4", data="text:seq_len=32", optimizer="adam", batch_size=8)
 
@@ -175,19 +174,18 @@ def test_what_cannot_be_built_or_run_without_values_is_said_and_the_rest_estimat
     assert refused.skipped.endswith("use fewer stages or a deeper model") and not refused.ranks
 
 
-def test_polytrain_plan_prints_the_estimate_and_puts_it_in_its_json(cli_env):
-    args = [sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--split-at", "blocks.1",
-            "--model", LM["model"], "--data", LM["data"], "--optimizer", "adam", "--batch-size", "8",
-            "--memory-limit", "1MiB"]
-    text = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=120)
+def test_polytrain_plan_prints_the_estimate_and_puts_it_in_its_json(capsys):
+    # the command's main in this process (plan starts no process: a fresh one's imports are saved)
+    args = ["plan", "--strategy", "pipeline", "--split-at", "blocks.1", "--model", LM["model"], "--data", LM["data"],
+            "--optimizer", "adam", "--batch-size", "8", "--memory-limit", "1MiB"]
+    text = run_here(capsys, *args)
     assert text.returncode == 0, text.stderr
     table = text.stdout.split("memory estimate per rank (")[1].splitlines()
     assert table[1].split() == ["rank", "holds", "parameters", "gradients", "optimizer", "activations", "other",
                                 "data", "total"]
     assert table[2].startswith("  0     stage 0 (embed .. blocks.0)")
     assert "--memory-limit 1.0 MiB per worker: rank(s) 0, 1 estimated over it" in text.stdout
-    plan = json.loads(subprocess.run(args + ["--json"], env=cli_env, capture_output=True, text=True,
-                                     timeout=120).stdout)
+    plan = json.loads(run_here(capsys, *args, "--json").stdout)
     assert plan["layout"]["processes"] == 2 and plan["memory"]["limit"] == 2**20
     assert [r["holds"] for r in plan["memory"]["ranks"]] == ["stage 0 (embed .. blocks.0)",
                                                              "stage 1 (blocks.1 .. head)"]

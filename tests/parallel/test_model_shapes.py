@@ -4,8 +4,9 @@ nanoGPT's shape (blocks in an ``nn.ModuleDict``, ``lm_head`` tied to ``transform
 ``from_pretrained``; fsdp 2, a traced pipeline of 2 stages, tp 2 with the plan transformers ships, and
 hybrid 2 x 2 with ``--shard-dp`` (also a tied GPT-2, its tied tensor on both stages). Each equals ``single`` after 3 SGD steps, and keeps a tie tied.
 
-The cases of one world size run in the same worker processes, one after the other (each worker imports
-transformers once)."""
+The cases of one world size run in the same worker processes, one after the other, forked from the test's
+process (``POLYTRAIN_START_METHOD=fork``), which has imported transformers and built every model already: a
+worker from the forkserver imported transformers anew (about 2 s of CPU each, 6 workers)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def _cases(ctx, runs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POLYTRAIN_START_METHOD", "fork")
+        return _runs(tmp_path_factory)
+
+
+def _runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     rng = random.Random(0)
     text = root / "words.txt"

@@ -4,13 +4,11 @@ only while timing it); a model that cannot be built on the meta device is built 
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+from torch import nn
 
 import polytrain
 from polytrain.config import make_config
@@ -77,31 +75,21 @@ def test_each_rank_makes_only_its_stages_with_singles_values(case):
         assert rank["initial"] and all(torch.equal(v, whole[k]) for k, v in rank["initial"].items())
 
 
-WHOLE = """
-import json
-import polytrain
-from torch import nn
-
-
 class Plain(nn.Sequential):
     pass  # no init_unit: it cannot be made unit by unit, so every rank builds it whole
 
 
-if __name__ == "__main__":
+def test_a_model_that_cannot_be_deferred_is_built_whole_with_one_warning(capfd, monkeypatch):
+    # in this process, its workers forked from it (POLYTRAIN_START_METHOD=fork) so that what they print reaches
+    # capfd (a fresh python running a script paid torch's import twice: itself and its forkserver)
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     model = Plain(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    summary = polytrain.fit(model=model, data="digits", strategy="pipeline", stages=2, microbatches=2,
-                            batch_size=8, steps=2, eval_every=0, progress="off", timeout=60, split_at="2")
-    print(json.dumps(summary["rank_pp_parameters"]))
-"""
-
-
-def test_a_model_that_cannot_be_deferred_is_built_whole_with_one_warning(tmp_path, cli_env):
-    script = tmp_path / "whole.py"
-    script.write_text(WHOLE)
-    done = subprocess.run([sys.executable, str(script)], env=cli_env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("warning: --model Plain is built whole on every rank") == 1, done.stdout
-    assert json.loads(done.stdout.splitlines()[-1]) == [64 * 32 + 32, 32 * 10 + 10]  # each rank keeps its stage
+    capfd.readouterr()
+    summary = polytrain.fit(model=model, data="digits", strategy="pipeline", stages=2, microbatches=2, batch_size=8,
+                            steps=2, eval_every=0, progress="off", timeout=60, split_at="2")
+    out = capfd.readouterr().out
+    assert out.count("warning: --model Plain is built whole on every rank") == 1, out
+    assert summary["rank_pp_parameters"] == [64 * 32 + 32, 32 * 10 + 10]  # each rank keeps its stage
 
 
 def _state_before_first_step(ctx, settings):

@@ -2,8 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -16,6 +14,7 @@ from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.parallel.pp import plan, split
 from polytrain.parallel.pp.strategy import check_split, choose_split
+from tests.helpers.cli_batch import run_here
 
 SHAPES = [(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)]
 
@@ -66,17 +65,19 @@ def test_the_chart_names_each_rank_and_both_bubbles():
     assert lines[-1] == ("bubble: simulated 0.333 (1/3), theoretical (P-1)/(vM+P-1) = 0.333 (1/3)")
 
 
-def test_polytrain_plan_prints_without_starting_anything(cli_env):
-    out = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--pp", "4",
-                          "--microbatches", "8", "--schedule", "interleaved-1f1b", "--json"], env=cli_env,
-                         capture_output=True, text=True, timeout=600)
+def test_polytrain_plan_prints_without_starting_anything(capsys):
+    # the command's main in this process: no helper process of multiprocessing is started by it either
+    from polytrain.distributed.processes import helper_processes
+
+    before = helper_processes()
+    out = run_here(capsys, "plan", "--strategy", "pipeline", "--pp", "4", "--microbatches", "8", "--schedule",
+                   "interleaved-1f1b", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)["pipeline"]
     assert data["bubble_simulated"] == data["bubble_theoretical"] == pytest.approx(3 / 19)
     assert data["actions"][0][:2] == ["F0s0", "F1s0"]
-    bad = subprocess.run([sys.executable, "-m", "polytrain", "plan", "--strategy", "pipeline", "--pp", "4",
-                          "--microbatches", "2", "--schedule", "1f1b"], env=cli_env, capture_output=True, text=True,
-                         timeout=600)
+    bad = run_here(capsys, "plan", "--strategy", "pipeline", "--pp", "4", "--microbatches", "2", "--schedule", "1f1b")
+    assert helper_processes() == before
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "1f1b needs --microbatches >= --stages" in bad.stderr
 

@@ -2,21 +2,18 @@
 final evaluation (under ``no_grad``, in eval mode), which must work and leave the model as it was."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
+import polytrain
 from polytrain.models.transformer_lm import transformer_lm
 from polytrain.parallel.pp import split
 from polytrain.parallel.pp.strategy import choose_split
+from tests.helpers.cli_batch import run_here
 
 MODEL = "transformer_lm:layers=4,dim=32,heads=2"
-COMMON = ["--model", MODEL, "--data", "text:seq_len=16", "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.1",
-          "--steps", "10", "--checkpoint-every", "5", "--eval-every", "0", "--log-every", "5", "--seed", "0",
-          "--progress", "off", "--timeout", "60"]
 
 
 def _models():
@@ -53,25 +50,29 @@ def test_a_model_with_dropout_can_be_split():
     assert chosen.how == "measured" and len(chosen.cuts) == 1
 
 
-def _train(env, *args):
-    return subprocess.run([sys.executable, "-m", "polytrain", "train", *COMMON, *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+MODEL_ARGS = dict(model=MODEL, data="text:seq_len=16", batch_size=8, optimizer="sgd", lr=0.1, steps=10,
+                  checkpoint_every=5, eval_every=0, log_every=5, seed=0, progress="off", timeout=60)
 
 
 def _end(path):
     return next(e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == "end")
 
 
-@pytest.mark.parametrize("layout", [["--strategy", "pipeline", "--stages", "2"],
-                                    ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2",
-                                     "--microbatches", "2"]], ids=["pipeline", "hybrid"])
-def test_a_finished_run_resumed_evaluates_its_model_and_says_nothing_was_left(cli_env, tmp_path, layout):
+@pytest.mark.parametrize("layout", [dict(strategy="pipeline", stages=2),
+                                    dict(strategy="hybrid", workers=4, dp=2, pp=2, microbatches=2)],
+                         ids=["pipeline", "hybrid"])
+def test_a_finished_run_resumed_evaluates_its_model_and_says_nothing_was_left(capfd, monkeypatch, tmp_path, layout):
+    # both runs in this process, not as python -m polytrain (a fresh process's imports saved each): the first
+    # through fit, the resumed one, whose output is checked, through the command's main. Their workers are
+    # forked from this process (POLYTRAIN_START_METHOD=fork), so that what rank 0 prints reaches this test's
+    # capfd: a worker from a forkserver started earlier writes to the forkserver's stdout
+    monkeypatch.setenv("POLYTRAIN_START_METHOD", "fork")
     checkpoints = str(tmp_path / "c")
-    first = _train(cli_env, *layout, "--checkpoint-dir", checkpoints, "--metrics-file", str(tmp_path / "a.jsonl"),
-                   "--save-model", str(tmp_path / "a.pt"))
-    assert first.returncode == 0, first.stderr
-    again = _train(cli_env, *layout, "--checkpoint-dir", checkpoints, "--resume", "--metrics-file",
-                   str(tmp_path / "b.jsonl"), "--save-model", str(tmp_path / "b.pt"))
+    polytrain.fit(**MODEL_ARGS, **layout, checkpoint_dir=checkpoints, metrics_file=str(tmp_path / "a.jsonl"),
+                  save_model=str(tmp_path / "a.pt"))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**MODEL_ARGS, **layout}.items()]
+    again = run_here(capfd, "train", *flags, "--checkpoint-dir", checkpoints, "--resume", "--metrics-file",
+                     str(tmp_path / "b.jsonl"), "--save-model", str(tmp_path / "b.pt"))
     assert again.returncode == 0 and "Traceback" not in again.stderr and "error" not in again.stderr, again.stderr
     warning = (f"warning: --resume: the checkpoint in {checkpoints} is at step 10, at or past --steps 10: nothing "
                "left to train (the model stays at step 10); raise --steps to train further")

@@ -3,8 +3,9 @@
 on the whole batch after 8 steps; the tied tensor held once in what is saved; each rank holding only its
 stages; a split point naming no module and a model the tracer cannot handle, one line each.
 
-Every case of one world size runs in the same worker processes, one after the other (each worker imports
-transformers once). Skipped where ``transformers`` is not installed."""
+Every case of one world size runs in the same worker processes, one after the other, forked from the test's
+process (``POLYTRAIN_START_METHOD=fork``), which has imported transformers already: a worker from the forkserver
+imported it anew (about 2 s of CPU each, 6 workers). Skipped where ``transformers`` is not installed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def _cases(ctx, runs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POLYTRAIN_START_METHOD", "fork")
+        return _runs(tmp_path_factory)
+
+
+def _runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("traced")
     saved = {}
     with one_thread():

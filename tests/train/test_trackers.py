@@ -162,3 +162,31 @@ def test_a_tracker_that_cannot_open_its_run_stops_before_training_with_one_line(
         polytrain.fit(tracker=["mlflow:nosuch://x"], metrics_file=str(tmp_path / "m.jsonl"), **BASE)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "m.jsonl").exists()  # nothing trained, nothing logged
+
+
+def test_a_rank_that_takes_reporting_over_continues_the_mlflow_run(tmp_path):
+    """--on-failure continue with the reporting rank lost: the rank that takes reporting over continues its MLflow
+    run by the id the lost one handed over (train/elastic.py keeps it in the store), and ends it FINISHED."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from polytrain.train.loggers import RunLog
+
+    config = make_config(tracker=[f"mlflow:{tmp_path}"], progress="off", steps=4)
+
+    def step(n, loss):
+        return {"step": n, "loss": loss, "lr": 0.1, "examples_per_sec": 10.0, "sec_per_batch": 0.1}
+
+    lost = RunLog(config.log, 4, enabled=True, tracking=config.tracking)  # the reporting rank, then lost
+    lost.start(config.flat(), "", 0)
+    lost.step(step(2, 1.0))
+    taking_over = RunLog(config.log, 4, enabled=False, tracking=config.tracking)
+    taking_over.take_over(config.tracking, lost.run_ids())
+    taking_over.step(step(4, 0.5))
+    taking_over.end({"steps": 4, "train_loss": 0.5})
+    taking_over.close()
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("polytrain").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")} == {2: 1.0, 4: 0.5}
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "summary/steps")} == {4: 4}

@@ -5,7 +5,6 @@ compiled as eager, within float rounding; bad values one line before anything st
 import copy
 import dataclasses
 import pickle
-import subprocess
 
 import pytest
 import torch
@@ -219,10 +218,18 @@ def test_every_k_beyond_the_units_and_a_model_without_units_are_one_line():
                                      "drop it, or give the model its layers as children")
 
 
-def test_compile_without_a_cpp_compiler_is_one_line(cli_env, python):
-    env = dict(cli_env, CXX="/nonexistent/g++")  # inductor looks for $CXX (else g++)
-    done = subprocess.run([python, "-m", "polytrain", "train", "--compile", "--device", "cpu", "--steps", "1"],
-                          env=env, capture_output=True, text=True, timeout=60)
+def test_compile_without_a_cpp_compiler_is_one_line(capsys, monkeypatch):
+    """The command's main in this process (refused before anything starts). Inductor reads $CXX (else g++) into
+    its config when imported and keeps the compiler it found: the config is set as $CXX=/nonexistent/g++ would
+    have set it, and what it found is forgotten before and after."""
+    from torch._inductor import config, cpp_builder
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "/nonexistent/g++"))
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        done = run_here(capsys, "train", "--compile", "--device", "cpu", "--steps", "1")
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == ("polytrain: error: --compile on CPU needs a C++ compiler (torch.compile builds C++ "
                                    "kernels), and none was found (g++, or the one $CXX names); install one (apt "

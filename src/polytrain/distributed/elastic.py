@@ -259,6 +259,14 @@ class Membership:
         keys = [self._key(f"g{number}", "record") for number in range(1, self.generation.number + 1)]
         return [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]
 
+    def keep_tracker_runs(self, run_ids: dict[str, str]) -> None:
+        self.store.set(self._key("trackers"), json.dumps(run_ids))
+
+    def tracker_runs(self) -> dict[str, str]:
+        """The experiment trackers' runs the main rank opened (``--tracker`` value -> run id), to continue."""
+        key = self._key("trackers")
+        return json.loads(self.store.get(key)) if self.store.check([key]) else {}
+
     def close(self) -> None:
         """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""
         with contextlib.suppress(Exception):

@@ -106,6 +106,11 @@ class ElasticRun:
             self._write_ids([], None, generation, generation)
         self._keep(trainer.strategy)
 
+    def started(self, run_log: Any) -> None:
+        """The main rank's trackers' runs, kept in the store: a rank that takes reporting over continues them."""
+        if self.trainer.topology.is_main and run_log.run_ids():
+            self.membership.keep_tracker_runs(run_log.run_ids())
+
     # -- the loop -----------------------------------------------------------------------------------------
 
     def run(self, loop: Callable[[], dict[str, Any]], run_log: Any) -> dict[str, Any]:
@@ -195,13 +200,14 @@ class ElasticRun:
         generation = self.membership.change(self.committed, cut=failed,
                                             admit=at is None or self.committed >= int(at))
         strategy = self._rebuild()
-        if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
-            run_log.take_over(trainer.config.tracking)
         self._receive_into(strategy, generation, state)
         self._carry = None
         self._keep(strategy)
         self._write_ids(pending, old_index, old_generation, generation)
         seconds = time.perf_counter() - started
+        if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
+            run_log.take_over(trainer.config.tracking, self.membership.tracker_runs(),
+                              trainer.config.train.save_model)
         record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
                   "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
         self.changes.append(record)

@@ -107,18 +107,35 @@ class RunLog:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
         self._open_files()
 
-    def take_over(self, tracking: Any = None) -> None:
+    def take_over(self, tracking: Any = None, run_ids: dict[str, str] | None = None,
+                  save_model: str | None = None) -> None:
         """This rank reports from now on: the one that did was lost (``--on-failure continue``). The metrics file
-        and TensorBoard get its records from here on, appended; the console gets lines (no bar); an experiment
-        tracker's run was the lost rank's and is not continued (one warning)."""
+        and TensorBoard get its records from here on, appended; the console gets lines (no bar); an MLflow run
+        (``run_ids``: :meth:`run_ids` of the lost rank's) is continued; a W&B run was the lost rank's process's
+        and ends with it (one warning)."""
         if self.enabled:
             return
         self.enabled = True
         self._open_files()
+        self._model_file = Path(save_model) if save_model else None
         if tracking is not None and tracking.tracker:
-            self.log.warning(f"--tracker {' '.join(tracking.tracker)}: the tracker's run was the lost rank's and ends with it; "
-                             "the rest of this run's numbers go to the console"
-                             + (f" and {self.cfg.metrics_file}" if self.cfg.metrics_file else ""))
+            from polytrain.train.trackers import reopen_trackers
+
+            try:
+                self._trackers, lost = reopen_trackers(tracking, run_ids or {})
+            except Exception as exc:  # noqa: BLE001 - a tracker out of reach must not end the training
+                self.log.warning(f"--tracker: could not continue the run: {type(exc).__name__}: {exc}")
+                self._trackers, lost = [], []
+            for tracker in self._trackers:
+                self.info(f"tracking: {tracker.where}, continued")
+            if lost:
+                self.log.warning(f"--tracker {' '.join(lost)}: the run was the lost rank's and ends with it; the rest "
+                                 "of this run's numbers go to the console"
+                                 + (f" and {self.cfg.metrics_file}" if self.cfg.metrics_file else ""))
+
+    def run_ids(self) -> dict[str, str]:
+        """The trackers' runs another process can continue: ``--tracker`` value -> run id (MLflow's)."""
+        return {tracker.spec: tracker.run_id for tracker in self._trackers if tracker.name == "mlflow"}
 
     def _open_files(self) -> None:
         cfg = self.cfg

@@ -5,7 +5,8 @@ Each goes through the library's own client (optional extras: ``pip install 'poly
 config as the run's parameters (MLflow params, W&B config), every logged step's and evaluation's numbers at
 their step under TensorBoard's names (``train/loss``, ``perf/examples_per_sec``, ``eval/loss``, ...), the end
 summary (its numbers as ``summary/KEY`` at the last step and, in MLflow, ``summary.json``), and the
-``--save-model`` file as an artifact. Only the main trainer rank opens a run.
+``--save-model`` file as an artifact. Only the main trainer rank opens a run (``--on-failure continue``: when it
+is lost, the rank that takes reporting over continues an MLflow run, :func:`reopen_trackers`).
 
 * ``mlflow``: the URI after the colon (a plain directory ``DIR``: ``sqlite:///DIR/mlflow.db``, artifacts in
   ``DIR/artifacts``), else ``MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db`` in the working
@@ -113,17 +114,20 @@ class MlflowTracker:
     """One MLflow run through ``mlflow.tracking.MlflowClient`` (no global active run is touched)."""
 
     name = "mlflow"
+    spec: str | None = None  # the --tracker value it was opened for
 
-    def __init__(self, uri: str | None, project: str, run_name: str | None):
+    def __init__(self, uri: str | None, project: str, run_name: str | None, run_id: str | None = None):
         from mlflow.tracking import MlflowClient
 
         uri, artifacts = mlflow_store(uri)
         self.client = MlflowClient(tracking_uri=uri)  # None: $MLFLOW_TRACKING_URI or MLflow's default
         self.uri = self.client.tracking_uri
-        found = self.client.get_experiment_by_name(project)
-        experiment = (found.experiment_id if found is not None
-                      else self.client.create_experiment(project, artifact_location=artifacts))
-        self.run_id = self.client.create_run(experiment, run_name=run_name, tags={"polytrain": "train"}).info.run_id
+        if run_id is None:
+            found = self.client.get_experiment_by_name(project)
+            experiment = (found.experiment_id if found is not None
+                          else self.client.create_experiment(project, artifact_location=artifacts))
+            run_id = self.client.create_run(experiment, run_name=run_name, tags={"polytrain": "train"}).info.run_id
+        self.run_id = run_id  # given: a run another process opened, continued (--on-failure continue)
         self.where = f"mlflow run {self.run_id} (experiment '{project}' at {self.uri})"
 
     def start(self, config: dict[str, Any], config_toml: str) -> None:
@@ -160,6 +164,7 @@ class WandbTracker:
     """One W&B run through ``wandb.init`` (offline unless told otherwise)."""
 
     name = "wandb"
+    spec: str | None = None  # the --tracker value it was opened for
 
     def __init__(self, mode: str | None, project: str, run_name: str | None):
         import wandb
@@ -188,6 +193,21 @@ class WandbTracker:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
+def reopen_trackers(cfg: TrackingConfig, run_ids: dict[str, str]) -> tuple[list[Any], list[str]]:
+    """The runs another process opened (``run_ids``: ``--tracker`` value -> run id), continued by this one
+    (``--on-failure continue``, the reporting rank lost): MLflow's, by their id; and the values whose run cannot be
+    continued (W&B: a run is one process's)."""
+    reopened, lost = [], []
+    for spec in cfg.tracker:
+        kind, arg = parse_tracker(spec)
+        if kind == "mlflow" and spec in run_ids:
+            reopened.append(MlflowTracker(arg, cfg.tracker_project, None, run_id=run_ids[spec]))
+            reopened[-1].spec = spec
+        else:
+            lost.append(spec)
+    return reopened, lost
+
+
 def open_trackers(cfg: TrackingConfig) -> list[Any]:
     """A started run in each tracker ``cfg`` names (the main rank only); a ConfigError line if one cannot
     be opened, with the runs already opened closed as FAILED."""
@@ -197,6 +217,7 @@ def open_trackers(cfg: TrackingConfig) -> list[Any]:
         try:
             tracker_cls = MlflowTracker if kind == "mlflow" else WandbTracker
             opened.append(tracker_cls(arg, cfg.tracker_project, cfg.tracker_run_name))
+            opened[-1].spec = spec
         except Exception as exc:  # noqa: BLE001 - the library's own error, said in one line
             for tracker in opened:
                 tracker.close("FAILED")

@@ -107,6 +107,8 @@ class Trainer:
         run_log = RunLog(cfg.log, s.total_steps, enabled=self.topology.is_main, tracking=cfg.tracking)
         try:
             run_log.start(s.config_flat, s.config_toml, s.start_step)
+            if self.elastic is not None:  # a rank that takes reporting over continues the trackers' runs
+                self.elastic.started(run_log)
             run_log.info(s.describe())
             summary = self._loop(run_log) if self.elastic is None else \
                 self.elastic.run(lambda: self._loop(run_log), run_log)  # --on-failure continue: survives a loss
