@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from polytrain.cli.main import main
+from tests.helpers.cli_batch import run_here
 
 
 def polytrain(*args, env, cwd, timeout=600):
@@ -17,8 +19,18 @@ def polytrain(*args, env, cwd, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_quick_bench_runs_every_case_and_writes_json_and_markdown(cli_env, tmp_path):
-    proc = polytrain("--quick", "--markdown", "bench.md", env=cli_env, cwd=tmp_path)
+@pytest.fixture
+def bench(tmp_path, capsys, monkeypatch):
+    """``polytrain bench ARGS`` run in ``tmp_path`` through the command's main in this process (a command of its own
+    would import torch once more). Its single cases run in this process too: its CPU threads are set back after."""
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    yield lambda *args: run_here(capsys, "bench", *args)
+    torch.set_num_threads(threads)
+
+
+def test_quick_bench_runs_every_case_and_writes_json_and_markdown(bench, tmp_path):
+    proc = bench("--quick", "--markdown", "bench.md")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "polytrain-bench.json").read_text())
     assert [r["case"] for r in doc["rows"]] == ["single_1t", "single_all", "sync", "sync_balanced",
@@ -51,23 +63,22 @@ def test_a_stopped_bench_says_so_and_nothing_of_checkpoints(cli_env, tmp_path):
     assert not (tmp_path / "polytrain-bench.json").exists()
 
 
-def test_plan_prints_the_cases_without_running(cli_env, tmp_path):
-    proc = polytrain("--plan", "--workers", "3", env=cli_env, cwd=tmp_path, timeout=120)
+def test_plan_prints_the_cases_without_running(bench, tmp_path):
+    proc = bench("--plan", "--workers", "3")
     assert proc.returncode == 0, proc.stderr
     assert "polytrain sync, 3 workers x 1 thread" in proc.stdout and "global batch 192" in proc.stdout
     assert not (tmp_path / "polytrain-bench.json").exists()
 
 
-def test_bad_settings_exit_with_one_line(cli_env, tmp_path):
-    proc = polytrain("--workers", "0", env=cli_env, cwd=tmp_path, timeout=120)
+def test_bad_settings_exit_with_one_line(bench):
+    proc = bench("--workers", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "polytrain: error: --workers must be >= 1, got 0"
 
 
 @pytest.mark.slow  # single, 2 independent processes, a 2-stage pipeline and its plain twin, each started afresh
-def test_quick_pipeline_suite_writes_json_markdown_and_plot(cli_env, tmp_path):
-    proc = polytrain("--suite", "pipeline", "--quick", "--schedules", "gpipe", "--markdown", "p.md", "--plot", "p.png",
-                     env=cli_env, cwd=tmp_path)
+def test_quick_pipeline_suite_writes_json_markdown_and_plot(bench, tmp_path):
+    proc = bench("--suite", "pipeline", "--quick", "--schedules", "gpipe", "--markdown", "p.md", "--plot", "p.png")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "polytrain-bench-pipeline.json").read_text())
     rows = {row["case"]: row for row in doc["rows"]}
@@ -94,6 +105,7 @@ def test_a_flag_the_suite_does_not_read_is_one_line(capsys):
 
 
 @pytest.mark.slow  # four single runs, two of them compiling a 1-block transformer (20-60 s with a cold cache)
+# (a command of its own: what torch.compile starts and keeps stays with the process that compiled)
 def test_quick_compile_suite_measures_eager_compiled_and_checkpointed_in_one_run(cli_env, tmp_path):
     proc = polytrain("--suite", "compile", "--quick", "--markdown", "c.md", env=cli_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -111,8 +123,8 @@ def test_quick_compile_suite_measures_eager_compiled_and_checkpointed_in_one_run
     assert "| --compile --activation-checkpointing full |" in (tmp_path / "c.md").read_text()
 
 
-def test_compile_suite_plan_and_its_flags(cli_env, tmp_path, capsys):
-    proc = polytrain("--suite", "compile", "--plan", "--steps", "5", env=cli_env, cwd=tmp_path, timeout=120)
+def test_compile_suite_plan_and_its_flags(bench, tmp_path, capsys):
+    proc = bench("--suite", "compile", "--plan", "--steps", "5")
     assert proc.returncode == 0, proc.stderr
     assert "3 warm-up + 5 timed steps" in proc.stdout and "  --compile --activation-checkpointing full" in proc.stdout
     assert not (tmp_path / "polytrain-bench-compile.json").exists()

@@ -10,26 +10,22 @@ import sys
 import pytest
 import torch
 
+import polytrain
 from polytrain.models.registry import build_model
 from polytrain.train.checkpoint import load_checkpoint
-from tests.helpers.cli_batch import run_here
+from tests.helpers.cli_batch import fit_settings, run_here
 
 TRAIN = ["--strategy", "sync", "--workers", "2", "--model", "mlp:hidden=32", "--data", "digits", "--batch-size", "32",
          "--seed", "2", "--checkpoint-every", "10", "--eval-every", "0", "--log-every", "1", "--progress", "off"]
 
 
-def polytrain(*args, env):
-    return subprocess.run([sys.executable, "-m", "polytrain", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, module_cli_env):
-    """A sync run on 2 workers, checkpointed at steps 10 and 20, whose model at step 20 is also --save-model's."""
+def run(tmp_path_factory):
+    """A sync run on 2 workers, checkpointed at steps 10 and 20, whose model at step 20 is also --save-model's (in
+    this process, whose forkserver then starts the workers of the runs after)."""
     out = tmp_path_factory.mktemp("run")
-    proc = polytrain("train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(out / "ckpt"), "--save-model",
-                     str(out / "model.pt"), "--metrics-file", str(out / "whole.jsonl"), env=module_cli_env)
-    assert proc.returncode == 0, proc.stderr
+    polytrain.fit(**fit_settings(TRAIN), steps=20, checkpoint_dir=str(out / "ckpt"), save_model=str(out / "model.pt"),
+                  metrics_file=str(out / "whole.jsonl"))
     return out
 
 
@@ -70,12 +66,11 @@ def test_export_writes_the_model_that_save_model_wrote(run, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory, module_cli_env):
+def sharded(tmp_path_factory):
     """An fsdp run on 2 workers: its checkpoint written in parts, and its --save-model."""
     out = tmp_path_factory.mktemp("sharded")
-    proc = polytrain("train", "--strategy", "fsdp", *TRAIN[2:], "--steps", "4", "--checkpoint-dir", str(out / "ck"),
-                     "--save-model", str(out / "model.pt"), env=module_cli_env)
-    assert proc.returncode == 0, proc.stderr
+    polytrain.fit(**fit_settings(["--strategy", "fsdp", *TRAIN[2:]]), steps=4, checkpoint_dir=str(out / "ck"),
+                  save_model=str(out / "model.pt"))
     return out
 
 
@@ -141,10 +136,13 @@ def test_a_directory_without_a_good_checkpoint_is_one_line(run, tmp_path, capsys
 
 
 def test_resume_on_two_workers_continues_from_the_previous_good_checkpoint(run, cli_env, tmp_path):
+    """A command of its own: its workers' lines are its output (workers forked from this process's forkserver
+    write where that server's output went when it started)."""
     ckpt = _flipped_copy(run, tmp_path)
     metrics = tmp_path / "resumed.jsonl"
-    proc = polytrain("train", *TRAIN, "--steps", "20", "--checkpoint-dir", str(ckpt), "--resume", "--metrics-file",
-                     str(metrics), env=cli_env)
+    proc = subprocess.run([sys.executable, "-m", "polytrain", "train", *TRAIN, "--steps", "20", "--checkpoint-dir",
+                           str(ckpt), "--resume", "--metrics-file", str(metrics)], env=cli_env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"warning: --resume: checkpoint {ckpt / 'step-00000020.pt'} is corrupted: its SHA-256 is " in proc.stdout
     assert f"resumed from step 10 ({ckpt / 'step-00000010.pt'})" in proc.stdout

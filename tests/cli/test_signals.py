@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from polytrain.train.checkpoint import Checkpointer
+from tests.helpers.cli_batch import run_here
 from tests.helpers.procs import alive, catches, descendants, worker_rank
 from tests.helpers.seed import draw
 
@@ -94,14 +95,16 @@ def _end_record(metrics):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bit_for_bit(cli_env, tmp_path, name):
+def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bit_for_bit(cli_env, capsys, tmp_path,
+                                                                                          name):
     """The agreed-step protocol, whatever the timing: each trainer rank proposes the first step after it knew of
     the request that ends with a collective (with --log-every 1: the next one), the stop is the largest
     proposal, no rank passes it, the checkpoint is at it, and the resumed run ends bit for bit like one that was
     never stopped."""
     args = [*COMMON, *STRATEGIES[name]]
-    whole = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--save-model", str(tmp_path / "w.pt")],
-                           env=cli_env, capture_output=True, text=True, timeout=HANG_S)
+    # the run never stopped, and below the resumed one, through the command's main in this process (its forkserver
+    # serves them both): only the stopped run is about the command's own process
+    whole = run_here(capsys, "train", *args, "--save-model", str(tmp_path / "w.pt"))
     assert whole.returncode == 0, whole.stderr
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = _start([*args, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)], cli_env)
@@ -123,9 +126,8 @@ def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bi
         assert good is not None and good.step == stop and Checkpointer(ckpt).latest().name == f"step-{stop:08d}.pt"
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- the stopped run's stderr:\n{err[-4000:]}") from None
-    resumed = subprocess.run([sys.executable, "-m", "polytrain", "train", *args, "--checkpoint-dir", str(ckpt),
-                              "--resume", "--save-model", str(tmp_path / "r.pt")], env=cli_env, capture_output=True,
-                             text=True, timeout=HANG_S)
+    resumed = run_here(capsys, "train", *args, "--checkpoint-dir", str(ckpt), "--resume", "--save-model",
+                       str(tmp_path / "r.pt"))
     assert resumed.returncode == 0, resumed.stderr
     assert _same(_model(tmp_path / "w.pt"), _model(tmp_path / "r.pt")), f"{name}: stopped after step {stop}"
 

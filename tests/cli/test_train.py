@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.cli_batch import run_many
+from tests.helpers.cli_batch import run_here, run_many
 
 
 def polytrain(*args, env, timeout=300):
@@ -21,22 +21,26 @@ def end_event(path):
     return next(e for e in events if e.get("event") == "end")
 
 
-def test_the_main_job_learns_the_digits(cli_env, tmp_path):
-    """`make demo` runs plain `polytrain train`: sync on local CPU workers, packaged digits."""
+def test_the_main_job_learns_the_digits(capfd, tmp_path):
+    """`make demo` runs plain `polytrain train`: sync on local CPU workers, packaged digits (through the command's
+    main in this process: the lines asserted are its own, not its workers')."""
     metrics = tmp_path / "m.jsonl"
-    proc = polytrain("--metrics-file", str(metrics), "--progress", "off", env=cli_env)
+    proc = run_here(capfd, "train", "--metrics-file", str(metrics), "--progress", "off")
     assert proc.returncode == 0, proc.stderr
     end = end_event(metrics)
     assert end["eval_accuracy"] >= 0.95
     assert "done:" in proc.stdout and "with sync on 2 worker(s)" in proc.stdout and "per rank" in proc.stdout
 
 
-def test_sync_on_two_workers_equals_single_from_the_cli(cli_env, tmp_path):
+def test_sync_on_two_workers_equals_single_from_the_cli(capfd, tmp_path):
+    """Both command lines through the command's main, in this process."""
     common = ["--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "64", "--seed", "1",
               "--progress", "off"]
-    single = polytrain("--strategy", "single", "--save-model", str(tmp_path / "single.pt"), *common, env=cli_env)
-    sync = polytrain("--strategy", "sync", "--workers", "2", "--save-model", str(tmp_path / "sync.pt"), *common,
-                     env=cli_env)
+    threads = torch.get_num_threads()
+    single = run_here(capfd, "train", "--strategy", "single", "--save-model", str(tmp_path / "single.pt"), *common)
+    torch.set_num_threads(threads)  # (single ran in this process)
+    sync = run_here(capfd, "train", "--strategy", "sync", "--workers", "2", "--save-model", str(tmp_path / "sync.pt"),
+                    *common)
     assert single.returncode == 0 and sync.returncode == 0, single.stderr + sync.stderr
     a = torch.load(tmp_path / "single.pt", weights_only=True)
     b = torch.load(tmp_path / "sync.pt", weights_only=True)
@@ -76,12 +80,12 @@ def test_data_too_small_is_caught_before_launch(refused, case):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
 
 
-def test_a_taken_master_port_is_one_clear_line(cli_env):
+def test_a_taken_master_port_is_one_clear_line(capfd):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = polytrain("--steps", "1", "--workers", "2", "--master-port", str(port), env=cli_env)
+        proc = run_here(capfd, "train", "--steps", "1", "--workers", "2", "--master-port", str(port))
     assert proc.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -52,3 +52,10 @@ def run_here(capsys, *argv: str) -> Result:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     out, err = capsys.readouterr()
     return Result(code, out, err)
+
+
+def fit_settings(flags: list[str]) -> dict[str, str]:
+    """``--name value`` pairs of a command line as the keyword arguments of :func:`polytrain.fit` (a reference run
+    in the test's own process, where what is tested is not the command's process)."""
+    assert len(flags) % 2 == 0 and all(flag.startswith("--") for flag in flags[::2]), flags
+    return {flag[2:].replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])}

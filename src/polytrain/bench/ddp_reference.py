@@ -1,7 +1,7 @@
 """The yardstick for ``polytrain bench``: a plain, hand-written PyTorch DDP training script.
 
-It is what a PyTorch user would write without polytrain: ``torch.multiprocessing`` spawns the workers,
-they rendezvous through a ``FileStore`` in a private temporary directory (nothing listens on the
+It is what a PyTorch user would write without polytrain: ``torch.multiprocessing`` starts the workers
+(forked on Linux, so that none imports torch again; spawned elsewhere), they rendezvous through a ``FileStore`` in a private temporary directory (nothing listens on the
 network), gloo is pinned to the loopback interface, each worker wraps the model in
 ``DistributedDataParallel`` and runs zero_grad / forward / loss / backward / step on its slice of each
 global batch, gathered from the in-memory dataset in one indexing op.
@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from polytrain.data.batches import BatchPlan, Slice
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
+from polytrain.distributed.processes import fork_or_spawn
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix="ddp-reference-") as tmp:
         mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers,
-                           join=True, start_method="spawn")
+                           join=True, start_method=fork_or_spawn())
 
 
 if __name__ == "__main__":

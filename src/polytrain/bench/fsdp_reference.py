@@ -1,7 +1,7 @@
 """The yardstick for ``polytrain bench --suite fsdp``: a plain, hand-written PyTorch FSDP2 training loop.
 
-What a PyTorch user writes from the FSDP2 tutorial, without polytrain: ``torch.multiprocessing`` spawns the
-workers, they rendezvous through a ``FileStore`` in a private temporary directory (nothing listens on the
+What a PyTorch user writes from the FSDP2 tutorial, without polytrain: ``torch.multiprocessing`` starts the
+workers (forked on Linux, so that none imports torch again; spawned elsewhere), they rendezvous through a ``FileStore`` in a private temporary directory (nothing listens on the
 network; gloo is pinned to the loopback interface), each worker builds a 1-D ``DeviceMesh`` of the workers,
 calls ``fully_shard`` on every unit of the model and then on the model itself, and runs zero_grad / forward /
 cross-entropy / backward / step on its slice of each global batch.
@@ -43,6 +43,7 @@ from polytrain.bench.ddp_reference import cross_entropy, leave_at_once
 from polytrain.data.batches import BatchPlan, Slice
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
+from polytrain.distributed.processes import fork_or_spawn
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.parts import units
 from polytrain.models.registry import build_model
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix="fsdp-reference-") as tmp:
         mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers,
-                           join=True, start_method="spawn")
+                           join=True, start_method=fork_or_spawn())
 
 
 if __name__ == "__main__":

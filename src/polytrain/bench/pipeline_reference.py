@@ -1,7 +1,7 @@
 """The yardstick for ``polytrain bench --suite pipeline``: a plain ``torch.distributed.pipelining`` loop.
 
-What a PyTorch user writes from the pipelining tutorial, without polytrain: ``torch.multiprocessing`` spawns
-one process per stage, they rendezvous through a ``FileStore`` in a private temporary directory (nothing
+What a PyTorch user writes from the pipelining tutorial, without polytrain: ``torch.multiprocessing`` starts
+one process per stage (forked on Linux, so that none imports torch again; spawned elsewhere), they rendezvous through a ``FileStore`` in a private temporary directory (nothing
 listens on the network; gloo is pinned to the loopback interface), each builds the whole model, keeps its
 stage (an ``nn.Sequential`` of the units ``--split-at`` gives it), wraps it in a ``PipelineStage`` and runs the
 schedule's ``step`` with a cross-entropy loss (torch's defaults: each micro-batch's mean loss, gradients
@@ -35,6 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from polytrain.bench.ddp_reference import cross_entropy, leave_at_once
 from polytrain.data.batches import BatchPlan
 from polytrain.data.registry import build_data
+from polytrain.distributed.processes import fork_or_spawn
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.parts import units
 from polytrain.models.registry import build_model
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="pipeline-reference-") as tmp:
         mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.stages,
-                           join=True, start_method="spawn")
+                           join=True, start_method=fork_or_spawn())
 
 
 if __name__ == "__main__":

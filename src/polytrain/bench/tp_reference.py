@@ -2,7 +2,7 @@
 ``torch.distributed.tensor.parallel``.
 
 What a PyTorch user writes from the tensor-parallel tutorial, without polytrain: ``torch.multiprocessing``
-spawns the workers, they rendezvous through a ``FileStore`` in a private temporary directory (nothing
+starts the workers (forked on Linux, so that none imports torch again; spawned elsewhere), they rendezvous through a ``FileStore`` in a private temporary directory (nothing
 listens on the network; gloo is pinned to the loopback interface), each builds the whole model, a 1-D
 ``DeviceMesh`` of the workers and calls ``parallelize_module`` once with a plan written out by hand (every
 block's attention heads and MLP: ``ColwiseParallel`` then ``RowwiseParallel``), then runs zero_grad / forward /
@@ -39,6 +39,7 @@ from polytrain.bench.ddp_reference import cross_entropy, leave_at_once
 from polytrain.data.batches import BatchPlan
 from polytrain.data.registry import build_data
 from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
+from polytrain.distributed.processes import fork_or_spawn
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
 from polytrain.parallel.tp.plan import Rule, parallel_style
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix="tp-reference-") as tmp:
         mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers,
-                           join=True, start_method="spawn")
+                           join=True, start_method=fork_or_spawn())
 
 
 if __name__ == "__main__":

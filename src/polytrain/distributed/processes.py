@@ -73,6 +73,12 @@ def _unimportable(job: Any) -> str | None:
     return None
 
 
+def fork_or_spawn() -> str:
+    """How a plain script of torch.multiprocessing workers (the benchmarks' references) starts them: ``fork``
+    where this process can (Linux, CUDA unused), so that no worker imports torch again; else ``spawn``."""
+    return "spawn" if _cannot_fork() else "fork"
+
+
 def _cannot_fork() -> str | None:
     """Why this process cannot fork its workers; None when it can."""
     if not sys.platform.startswith("linux"):
