@@ -26,6 +26,13 @@ def fit(config: RunConfig | None = None, *, model: nn.Module | str | None = None
     :class:`DataBundle`, which are pickled to every worker process. ``strategy`` is a registered name, or a
     :class:`Strategy` subclass defined at module level (every worker imports it by name).
     """
+    from polytrain.train.startup import run_environment
+
+    with run_environment():
+        return _fit(config, model, data, settings)
+
+
+def _fit(config: RunConfig | None, model: Any, data: Any, settings: dict[str, Any]) -> dict[str, Any]:
     from polytrain.train.restart import run  # the run, restarted after a failure as --max-restarts says
     from polytrain.distributed.hangs import use_run_directory
     from polytrain.train.startup import mark

@@ -2,6 +2,7 @@
 Structure only: timing numbers from a 2-step run on a shared machine mean nothing, so none is asserted."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import torch
 
 from polytrain.cli.main import main
 from tests.helpers.cli_batch import run_here
+from tests.helpers.signals import as_from_a_shell, signal_state
 
 
 def polytrain(*args, env, cwd, timeout=600):
@@ -48,15 +50,16 @@ def test_quick_bench_runs_every_case_and_writes_json_and_markdown(bench, tmp_pat
 
 def test_a_stopped_bench_says_so_and_nothing_of_checkpoints(cli_env, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "polytrain", "bench", "--quick"], env=cli_env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_shell)
     seen = []
     for line in proc.stdout:  # the first run done, the second starting
         seen.append(line)
         if line.startswith("[1/7]"):
             break
+    state = f"the bench: {signal_state(proc.pid)}; this process: {signal_state(os.getpid())}"  # (in the message: twice in the suite the bench ran on as if never signalled)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (state, err)
     assert err.strip().splitlines()[-1] == ("polytrain: bench stopped by SIGINT after 1 of 7 runs; no results "
                                             "written (a stopped bench keeps no measurement: run it again)")
     assert "checkpoint" not in "".join(seen) + out + err

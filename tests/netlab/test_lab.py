@@ -21,6 +21,7 @@ import pytest
 from polytrain.errors import ConfigError
 from polytrain.netlab import NetLab, lab_namespaces, parse_rate, run_job, unavailable
 from tests.helpers.procs import alive, cmdline
+from tests.helpers.signals import as_from_a_shell, signal_state
 
 pytestmark = pytest.mark.serial  # rates and network namespaces: alone under pytest -n (make test)
 
@@ -130,12 +131,17 @@ LAUNCHER = textwrap.dedent("""
 @needs_lab
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_the_lab_is_gone_after_its_launcher_is_interrupted_or_killed(how, cli_env):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=cli_env)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=cli_env,
+                                preexec_fn=as_from_a_shell)
     prefix = launcher.stdout.readline().strip()
     try:
         assert prefix.startswith("ptlab-") and len(leftovers(prefix)) == 3
+        state = f"the launcher: {signal_state(launcher.pid)}; this process: {signal_state(os.getpid())}"  # (in the message: once in the suite Ctrl-C did not end it)
         launcher.send_signal(how)
-        launcher.wait(timeout=60)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not end within 60 s of {how.name}; its signals then: {state}")
         deadline = time.monotonic() + 30  # SIGKILL: the watchdog removes it once it sees its launcher gone
         while leftovers(prefix) and time.monotonic() < deadline:
             time.sleep(0.1)

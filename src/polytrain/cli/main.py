@@ -21,6 +21,7 @@ from polytrain.cli import train as train_cmd
 from polytrain.cli.main_light import Parser
 from polytrain.cli.starting import starting_done
 from polytrain.distributed.processes import helper_processes, stop_helper_processes
+from polytrain.train.startup import run_environment
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped
 from polytrain.strategies import available_strategies
@@ -60,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.handler(args)
+        with run_environment():  # (inside a longer program, the run's environment is not left behind)
+            return args.handler(args)
     except RunStopped as exc:  # a signal stopped the run in order: not an error
         print(f"polytrain: {exc}", file=sys.stderr)
         return exc.exit_code

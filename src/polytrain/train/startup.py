@@ -9,8 +9,10 @@ torchrun's). Importing this module imports nothing heavy: the command marks itse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from typing import Iterator
 
 ENV = "POLYTRAIN_STARTED_AT"
 
@@ -38,3 +40,21 @@ def seconds_since_mark() -> float | None:
         return max(0.0, time.time() - float(os.environ[ENV]))
     except (KeyError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def run_environment() -> Iterator[None]:
+    """What a run puts in this process's environment for its workers (its start, where hang reports go) is the
+    run's: a program that trains from inside (``polytrain.fit``, the command's ``main`` in a notebook or a test
+    suite) has its own environment back afterwards, and a later child process inherits none of it."""
+    from polytrain.distributed.hangs import RUN_DIR_ENV
+
+    before = {name: os.environ.get(name) for name in (ENV, RUN_DIR_ENV)}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
