@@ -4,7 +4,6 @@ rank holding its shard only, and checkpoints that move between world sizes and s
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -34,10 +33,25 @@ def _fit(tmp_path, name, **settings):
     return summary, torch.load(path, weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """:func:`_fit` once per set of settings in this module: the single reference on LM and fsdp on 2 workers
+    serve more than one test (the tests only read what a run returns)."""
+    done = {}
+
+    def run(name, **settings):
+        key = repr(sorted(settings.items()))
+        if key not in done:
+            done[key] = _fit(tmp_path_factory.mktemp(name), name, **settings)
+        return done[key]
+
+    return run
+
+
 @pytest.mark.parametrize("data, workers", [(LM, 2), (LM, 4), (CNN, 2)], ids=["lm-2", "lm-4", "cnn-2"])
-def test_fsdp_equals_single_on_the_whole_batch(tmp_path, data, workers):
-    single, reference = _fit(tmp_path, "single", strategy="single", **data)
-    sharded, weights = _fit(tmp_path, "fsdp", strategy="fsdp", workers=workers, **data)
+def test_fsdp_equals_single_on_the_whole_batch(runs, data, workers):
+    single, reference = runs("single", strategy="single", **data)
+    sharded, weights = runs("fsdp", strategy="fsdp", workers=workers, **data)
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
@@ -79,13 +93,12 @@ def test_settings_of_sync_are_refused_for_fsdp():
         check(make_config(strategy="fsdp", workers=2, balance="on"))
 
 
-def test_without_resharding_after_forward_it_still_equals_single(tmp_path):
-    single, reference = _fit(tmp_path, "single", strategy="single", **LM)
-    sharded, weights = _fit(tmp_path, "zero2", strategy="fsdp", workers=2, reshard_after_forward=False, **LM)
+def test_without_resharding_after_forward_it_still_equals_single(runs):
+    single, reference = runs("single", strategy="single", **LM)
+    sharded, weights = runs("zero2", strategy="fsdp", workers=2, reshard_after_forward=False, **LM)
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
-    assert sharded["bytes_sent"] < _fit(tmp_path, "zero3", strategy="fsdp", workers=2, **LM)[0]["bytes_sent"]
-    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert sharded["bytes_sent"] < runs("fsdp", strategy="fsdp", workers=2, **LM)[0]["bytes_sent"]
 
 
 def _built(ctx, strategy, workers):
