@@ -243,14 +243,13 @@ def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp
     assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
 
 
-@pytest.mark.serial  # --heartbeat-timeout 2.5: alone under pytest -n (make test)
 def test_a_frozen_worker_ends_the_command_with_a_hang_report_and_no_process_left(cli_env, tmp_path):
     """A worker frozen after step 5 (SIGSTOP: a machine that stopped answering): the others name it and where it
     was, the report lands in the run directory (here the metrics file's), and when the command returns nothing
     of the job runs, its forkserver and resource tracker included."""
     env = dict(cli_env, POLYTRAIN_INJECT_KILL="rank=1,steps=5,signal=SIGSTOP")
     metrics = tmp_path / "run" / "m.jsonl"
-    proc = _start([*COMMON, *STRATEGIES["sync"], "--steps", "40", "--heartbeat-timeout", "2.5",
+    proc = _start([*COMMON, *STRATEGIES["sync"], "--steps", "40", "--heartbeat-timeout", "4",
                    "--metrics-file", str(metrics)], env)
     _wait_for_step(proc, metrics, 1)
     tree = descendants(proc.pid)

@@ -23,9 +23,9 @@ from polytrain.distributed.rendezvous import StoreServer, connect_store, loopbac
 from polytrain.errors import PeerLostError, WorkerError
 from tests.helpers.procs import leftover_children
 
-pytestmark = pytest.mark.serial  # a heartbeat bound of 1.5-2.5 s: alone under pytest -n (make test)
-
-TIMEOUT = 2.5  # heartbeat bound in these tests (a shorter one risks a late beat on a loaded 2-core machine)
+# heartbeat bounds of 3-4 s: a live rank's beat is not late by that much while the other pytest-xdist worker (and a
+# CPU burner) run beside these tests, so they need not run alone (tests/helpers/serial.py)
+TIMEOUT = 4.0  # heartbeat bound in these tests (2.5 s needed the machine to itself)
 LOST = 17  # the exit code a member uses when its heartbeat reports a loss
 
 
@@ -97,8 +97,9 @@ def _assert_named_in_time(reports, gone_at, codes):
     for _, lost_rank, message, at in reports:
         assert lost_rank == 2 and message.startswith("rank 2 (host "), message
         assert "sent no heartbeat for" in message
-        # the bound, plus one beat interval to notice, plus scheduling slack on a loaded machine
-        assert at - gone_at < TIMEOUT + 3.0, f"reported {at - gone_at:.1f} s after the death"
+        # the bound, plus one beat interval to notice, plus scheduling slack on a loaded machine: the heartbeat's
+        # report, not the end of the survivors' 60 s waits
+        assert at - gone_at < TIMEOUT + 8.0, f"reported {at - gone_at:.1f} s after the death"
 
 
 def test_a_killed_rank_is_named_on_every_survivor_within_the_bound_and_a_goodbye_is_not(monkeypatch):
@@ -152,6 +153,9 @@ def _host_store(port_out):
     time.sleep(120)  # until stopped and killed by the test
 
 
+STORE_TIMEOUT = 3.0
+
+
 def test_a_store_that_stops_answering_is_reported_even_if_a_call_blocks():
     """The store's host frozen (SIGSTOP: its connections stay open and silent, as when its machine leaves the
     network): every heartbeat reports the store within twice the bound plus slack."""
@@ -167,13 +171,13 @@ def test_a_store_that_stops_answering_is_reported_even_if_a_call_blocks():
             lost.append(error)
             seen.set()
 
-        beats += [Heartbeat(connect_store("127.0.0.1", port, timedelta(seconds=10)), rank, 2, timeout=1.5,
+        beats += [Heartbeat(connect_store("127.0.0.1", port, timedelta(seconds=10)), rank, 2, timeout=STORE_TIMEOUT,
                            on_lost=on_lost).start() for rank in range(2)]
         time.sleep(0.5)
         os.kill(host.pid, signal.SIGSTOP)
         frozen = time.monotonic()
-        assert seen.wait(20)
-        assert time.monotonic() - frozen < 2 * 1.5 + 3.0
+        assert seen.wait(40)
+        assert time.monotonic() - frozen < 2 * STORE_TIMEOUT + 8.0
         store = f"the rendezvous store at 127.0.0.1:{port} "
         assert lost[0].rank is None and (str(lost[0]).startswith(store + "has not answered for")
                                          or str(lost[0]).startswith(store + "stopped answering"))
@@ -241,8 +245,8 @@ def test_expendable_ranks_are_reported_to_the_registry_and_the_others_still_watc
 
 # -- expendable ranks (--tolerate-worker-loss): their loss is news for the others, not the end of the job ------
 
-EXPENDABLE_TIMEOUT = 1.5
-SURVIVE_S = 5.0  # how long the survivors go on: longer than the bound, so the heartbeat has judged rank 2
+EXPENDABLE_TIMEOUT = 3.0
+SURVIVE_S = 9.0  # how long the survivors go on: longer than the bound and its slack, so the heartbeat has judged rank 2
 
 
 def _lose_rank_2(ctx, how):
@@ -271,7 +275,7 @@ def _assert_rank_2_lost(results):
         (rank, reason, after), = result["heard"]  # once, by the heartbeat's thread
         assert rank == 2 and result["lost"] == {2: reason}
         assert reason.startswith("rank 2 (host ") and "sent no heartbeat for" in reason, reason
-        assert after < EXPENDABLE_TIMEOUT + 3.0, f"heard {after:.1f} s after the start"  # bound + a beat + slack
+        assert after < EXPENDABLE_TIMEOUT + 5.0, f"heard {after:.1f} s after the start"  # bound + a beat + slack
 
 
 def test_a_killed_expendable_rank_is_news_for_the_survivors_not_the_end_of_the_job(caplog):

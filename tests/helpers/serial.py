@@ -1,8 +1,12 @@
 """Tests that run alone while the suite runs on several pytest-xdist workers (``make test``: ``pytest -n 2``).
 
-A test marked ``serial`` (a Slurm cluster of its own, network namespaces, a bound on when a peer is declared
-lost) runs while no other test runs: every test holds a shared lock on one file for its whole protocol (setup,
-call, teardown), a ``serial`` one an exclusive lock. A turnstile lock in front keeps a waiting ``serial`` test
+A test marked ``serial`` (today: the network lab, whose transfers are timed against a set rate) runs while no
+other test runs, and the other worker idles meanwhile: keep it for what needs the machine to itself. A heartbeat
+bound of 3-4 s (tests/distributed/test_heartbeat.py) holds beside the other worker and a CPU burner, and a test
+that waits for a detected event can give it a wide bound: neither needs the mark.
+
+Every test holds a shared lock on one file for its whole protocol (setup, call, teardown), a ``serial`` one an
+exclusive lock. A turnstile lock in front keeps a waiting ``serial`` test
 from being overtaken by the next shared ones forever. Consecutive serial tests on one worker (a serial module's,
 under ``--dist loadscope``) keep the exclusive lock from one to the next: the other worker's current test is
 waited for once, not before each of them. Without xdist nothing is locked."""
