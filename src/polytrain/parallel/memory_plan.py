@@ -100,7 +100,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     from polytrain.data.registry import data_of
     from polytrain.devices.spec import QUIET, resolve_device
     from polytrain.errors import PolytrainError
-    from polytrain.models.registry import build_model
+    from polytrain.models.registry import meta_build, model_name
     from polytrain.precision import cast_model, precision_of
     from polytrain.strategies.registry import strategy_class
     from polytrain.tasks import get_task
@@ -113,11 +113,9 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
         data = data_of(config)
     except PolytrainError as exc:
         return MemoryEstimate(strategy, limit=limit, skipped=f"the data could not be read: {exc}")
-    name = data.default_model if config.model.model == "auto" else config.model.model
+    name = model_name(config, data)
     try:
-        with torch.device("meta"):
-            model = build_model(name, config.model.model_args, input_shape=data.input_shape,
-                                num_classes=data.num_outputs)
+        model = meta_build(name, config.model.model_args, data)
     except Exception as exc:  # noqa: BLE001 - any factory's failure: the estimate is skipped, the plan goes on
         return MemoryEstimate(strategy, model=name, limit=limit,
                               skipped=f"--model {name} cannot be built on the meta device ({type(exc).__name__}: "
