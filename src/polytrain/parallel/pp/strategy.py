@@ -33,7 +33,6 @@ on every rank (with a warning), and the other stages' tensors are emptied at the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,14 +48,13 @@ from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
 from polytrain.models.parts import retie, unit_groups
 from polytrain.parallel.fsdp import shard_group
-from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import Strategy, check_batch
-from polytrain.strategies.registry import mesh_layout, register_strategy
-from polytrain.strategies.traits import Traits
+from polytrain.strategies.registry import register_strategy
 from polytrain.parallel.dtensor import average, full, like, local, rebuild_optimizer, squared_norm
 from polytrain.parallel.pp import plan, split, traced
+from polytrain.parallel.pp.config import HybridDeclared, PipelineConfig, PipelineDeclared
 from polytrain.parallel.pp.transport import check_transport
 from polytrain.parallel.pp.traced_run import TracedRun, chain_kind, must_trace
 from polytrain.parallel.pp.build import UnitMaker, release_unit
@@ -66,44 +64,8 @@ from polytrain.tasks import check_takes_labels
 from polytrain.parallel.tp import axis as tp_axis
 
 
-#: what --strategy pipeline is told of hybrid's deprecated mesh settings (strategies/settings.py)
-_MESH = ("{given}: hybrid's deprecated name of --dp-replicate, which --strategy {strategy} does not read; use "
-         "--dp-replicate (or --strategy hybrid)")
-
-
-#: the pipeline's stages where neither --pp nor --stages says
-DEFAULT_STAGES = 2
-
-
-@register_section("pipeline", "strategies pipeline and hybrid", order=74)
-@dataclass
-class PipelineConfig:
-    stages: int | None = option(None, "pipeline, hybrid: deprecated, the same as --pp P (one flag per degree)",
-                                minimum=2, metavar="P")
-    microbatches: int = option(4, "pipeline, hybrid: micro-batches per replica's batch (must divide it)",
-                               minimum=1, metavar="M")
-    schedule: str = option("1f1b", "pipeline, hybrid: the torch.distributed.pipelining schedule "
-                                   "(polytrain plan prints it)", choices=tuple(plan.SCHEDULES))
-    split_at: str = option("auto", "pipeline, hybrid: units that start stages 1.. (blocks.2,blocks.4), or "
-                                   "auto (balanced by each unit's measured forward+backward time)",
-                           metavar="UNITS|auto")
-    dp: int | None = option(None, "hybrid: deprecated, the same as --dp-replicate D (--dp-shard D with "
-                                  "--shard-dp)", minimum=1, strategies=("hybrid",), elsewhere=_MESH)
-    shard_dp: bool = option(False, "hybrid: deprecated: --dp-shard D shards each stage's parameters, gradients "
-                                   "and optimizer state over D ranks (what --dp D --shard-dp did)",
-                            strategies=("hybrid",))
-
-
 @register_strategy
-class Pipeline(TracedRun, Strategy):
-    name = "pipeline"
-    summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
-    config_section = "pipeline"
-    # a model from any factory comes on the meta device (models/replay.py: _replay); --tp-plan: the plan of the
-    # tp axis of T ranks per stage (polytrain.parallel.tp.axis); --workers is not read: the processes are the
-    # stages (times the other degrees)
-    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills=None,
-                    cuts=("dp_shard", "pp", "tp"), degrees={"pp": DEFAULT_STAGES}, builds_part=True, reads=("tp",))
+class Pipeline(PipelineDeclared, TracedRun, Strategy):
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -111,10 +73,6 @@ class Pipeline(TracedRun, Strategy):
         super().__init__(topology, options, layout)
 
     # -- layout and checks before launch ------------------------------------------------------------
-
-    @classmethod
-    def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -548,10 +506,7 @@ class Pipeline(TracedRun, Strategy):
 
 
 @register_strategy
-class Hybrid(Pipeline):
-    name = "hybrid"
-    summary = "data parallel x pipeline: --dp-replicate D replicas of a --pp P stage pipeline on a 2-D mesh"
-    traits = replace(Pipeline.traits, fills="dp_replicate")  # what --workers leaves besides the stages
+class Hybrid(HybridDeclared, Pipeline):
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
