@@ -24,7 +24,8 @@ def test_a_run_that_ends_is_ok_and_one_past_its_limit_is_killed_as_hung(tmp_path
     ok = run_one(case, SoakConfig(steps=2, timeout=120), tmp_path)
     assert (ok["outcome"], ok["steps"], ok["exit_code"]) == ("ok", 2, 0)
     hung = run_one(case, SoakConfig(steps=100000, timeout=1.5), tmp_path)
-    assert hung["outcome"] == "hung" and hung["seconds"] < 30
+    # killed at its limit: it ran at least that long, and its group is gone (the 100000 steps would take hours)
+    assert hung["outcome"] == "hung" and hung["seconds"] >= 1.5
     assert _group_ends(hung["pid"])  # the launcher and its stage workers are gone with it
     text = format_text({"config": SoakConfig(steps=2).to_dict(), "env": {"torch": "x", "date": "d"},
                         "rows": [ok, hung], "skipped": []})

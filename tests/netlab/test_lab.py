@@ -95,23 +95,27 @@ def _workers(namespace: str) -> list[int]:
 def test_a_job_whose_worker_is_killed_ends_and_leaves_nothing(tmp_path):
     """A normal end over the links: tests/compare/test_link.py."""
     with NetLab(2, "1gbit") as lab:
+        killed_at = []
+
         def kill_rank1_when_training() -> None:
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + 240
             while time.monotonic() < deadline:
                 if (tmp_path / "kill" / "node0.log").exists() and \
                         "step 5/" in (tmp_path / "kill" / "node0.log").read_text(errors="replace"):
                     for pid in _workers(lab.nodes[1].namespace):
                         os.kill(pid, signal.SIGKILL)
+                    killed_at.append(time.monotonic())
                     return
                 time.sleep(0.1)
 
         killer = threading.Thread(target=kill_rank1_when_training, daemon=True)
         killer.start()
-        begin = time.monotonic()
-        killed = run_job(lab, TRAIN + ["--steps", "100000"], tmp_path / "kill", run_id="kill", grace_s=20)
+        # timeout_s is a hang guard only: the job ends once its worker is killed, at any load
+        killed = run_job(lab, TRAIN + ["--steps", "100000"], tmp_path / "kill", run_id="kill", grace_s=20,
+                         timeout_s=300)
         killer.join(timeout=5)
+        assert killed_at, "node 1's workers were never killed: node 0 did not reach step 5"
         assert killed.codes[1] not in (0, None), killed.log(1)
-        assert time.monotonic() - begin < 90
         for node in lab.nodes:  # nothing of the job runs once run_job returned
             assert _workers(node.namespace) == []
     assert leftovers(lab.prefix) == []
