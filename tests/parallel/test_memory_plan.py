@@ -2,7 +2,10 @@
 activations from a model built on the meta device, per strategy, as plain data; and against measured runs: the
 state bytes exactly, the activations within 5 %."""
 
+import ast
 import dataclasses
+import importlib
+import inspect
 import json
 
 import pytest
@@ -189,3 +192,24 @@ def test_polytrain_plan_prints_the_estimate_and_puts_it_in_its_json(capsys):
     assert plan["layout"]["processes"] == 2 and plan["memory"]["limit"] == 2**20
     assert [r["holds"] for r in plan["memory"]["ranks"]] == ["stage 0 (embed .. blocks.0)",
                                                              "stage 1 (blocks.1 .. head)"]
+
+
+def test_each_part_of_the_plan_estimates_its_own_bytes_and_none_asks_for_a_strategys_name():
+    """The memory plan is per axis (pp, dp_shard) and per strategy (its declared copies; async's servers): no part
+    compares anything with a strategy's name, nor keys a table by one."""
+    names = set(polytrain.available_strategies())
+    parts = ["polytrain.parallel.memory_plan", "polytrain.parallel.memory_count", "polytrain.parallel.memory_saved",
+             "polytrain.parallel.fsdp_memory", "polytrain.parallel.pp.memory", "polytrain.strategies.memory",
+             "polytrain.strategies.ps.memory"]
+    found = []
+    for part in parts:
+        for node in ast.walk(ast.parse(inspect.getsource(importlib.import_module(part)))):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else \
+                list(node.keys) if isinstance(node, ast.Dict) else []
+            found += [f"{part}:{node.lineno} {o.value!r}" for o in operands
+                      if isinstance(o, ast.Constant) and o.value in names]
+            if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Tuple, ast.List, ast.Set)) for o in operands):
+                found += [f"{part}:{node.lineno} {e.value!r}" for o in operands if isinstance(o, (ast.Tuple, ast.List,
+                          ast.Set)) for e in o.elts if isinstance(e, ast.Constant) and e.value in names]
+    assert not found, f"the memory plan switches on strategy names: {found}"
+

@@ -315,3 +315,22 @@ def test_train_reads_only_the_protocol_of_a_strategy_and_probes_none():
                 if "strategy" in _ident(obj) or named:
                     found.append(f"train/{file}:{node.lineno} {ast.unparse(node)}")
     assert not found, f"train/ reads what is not the strategy protocol: {found}"
+
+
+def test_train_builds_and_prepares_a_strategy_in_one_place():
+    """A start and the elastic rebuild after a membership change make a strategy through the same functions:
+    train/ constructs one (``strategy_cls(...)``) and calls its ``prepare`` only in session.py's."""
+    found = []
+    for file in sorted(os.listdir(TRAIN)):
+        if not file.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(TRAIN, file)).read())):
+            if isinstance(node, ast.FunctionDef):
+                for call in ast.walk(node):
+                    if not isinstance(call, ast.Call):
+                        continue
+                    prepares = isinstance(call.func, ast.Attribute) and call.func.attr == "prepare" and                         "strategy" in _ident(call.func.value)
+                    if prepares or _ident(call.func) in ("strategy_cls", "_cls"):  # (elastic's was self._cls(...))
+                        found.append(f"{file}:{node.name}:{_ident(call.func)}")
+    assert sorted(found) == ["session.py:make_strategy:strategy_cls", "session.py:prepare_strategy:prepare"], found
+

@@ -26,7 +26,7 @@ from torch import nn
 
 from polytrain.models.parts import units
 from polytrain.models.probe import Writes, build_on_meta
-from polytrain.weights.fill import check_fits, fill
+from polytrain.weights.fill import check_fits, fill, local_of
 from polytrain.weights.sources import Source
 
 _SEED_ATTR = "_polytrain_init_seed"
@@ -203,7 +203,7 @@ def held_bytes(model: nn.Module) -> int:
     what is still on the meta device."""
     total = 0
     for tensor in _tensors(model):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_of(tensor)
         if not local.is_meta:
             total += local.numel() * local.element_size()
     return total

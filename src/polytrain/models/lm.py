@@ -57,16 +57,12 @@ def check_lm_model(bundle: DataBundle, config: object) -> None:
     """Before launch: the run's model, built on the meta device (nothing allocated) for ``bundle``'s shape,
     checked against the data (:func:`check_lm_compat`) and, for packed documents, for taking position ids.
     A factory that cannot be built so is left to the workers, which check the same."""
-    import torch
-
-    from polytrain.models.registry import build_model
+    from polytrain.models.registry import meta_build, model_name
     from polytrain.tasks import packed_task
 
-    name = config.model.model if config.model.model != "auto" else bundle.default_model
+    name = model_name(config, bundle)
     try:
-        with torch.device("meta"):
-            model = build_model(name, config.model.model_args, input_shape=bundle.input_shape,
-                                num_classes=bundle.num_outputs)
+        model = meta_build(name, config.model.model_args, bundle)
     except Exception:  # noqa: BLE001 - a factory that needs real memory or data: the workers check it
         return
     check_lm_compat(bundle, model, name)

@@ -114,6 +114,20 @@ class ModelConfig:
                                          "the tensors and rows it holds", metavar="PATH")
 
 
+def model_name(config: Any, data: Any) -> str:
+    """The model a run trains: ``--model``, or the data's default for ``auto``."""
+    return data.default_model if config.model.model == "auto" else config.model.model
+
+
+def meta_build(name: str, args: dict[str, Any] | None, data: Any) -> nn.Module:
+    """The model ``name`` (with ``args``) for ``data``'s input shape and outputs, built on the meta device (no
+    memory); raises what the factory raises there (one that computes with its tensors' values)."""
+    import torch
+
+    with torch.device("meta"):
+        return build_model(name, args, input_shape=data.input_shape, num_classes=data.num_outputs)
+
+
 def meta_model(config: Any) -> nn.Module | None:
     """``config``'s model built on the meta device (no memory), for the checks before launch; None where the
     factory needs the data's real shape (the workers check it then)."""

@@ -74,6 +74,13 @@ class SyncDataParallel(SyncDeclared, Strategy):
             raise ConfigError(f"--compress {opts.compress} compresses what the process group's all-reduce sends, "
                               "and --comm shm averages through shared memory instead; pass --comm backend or "
                               "auto, or drop --compress")
+        if getattr(getattr(config, "on_failure", None), "on_failure", "stop") == "continue":  # any worker may go
+            if opts.comm == "shm":
+                raise ConfigError("--on-failure continue: --comm shm cannot be rebuilt over the survivors; use "
+                                  "--comm auto or backend")
+            if opts.balance != "off":
+                raise ConfigError(f"--on-failure continue: --balance {opts.balance} is not supported (the slices "
+                                  "are re-cut over the survivors); use --balance off")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         opts = self.options
@@ -112,6 +119,9 @@ class SyncDataParallel(SyncDeclared, Strategy):
             return None
         if self.options.compress != "off":
             self._comm_plan = ShmPlan(False, f"--compress {self.options.compress}")
+            return None
+        if self.layout.expendable:  # --on-failure continue: the exchange is rebuilt over the survivors, which
+            self._comm_plan = ShmPlan(False, "--on-failure continue")  # shared memory's segment cannot be
             return None
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._comm_plan = gather_plan(self.topology, grad_bytes)  # no bucket is larger than all gradients

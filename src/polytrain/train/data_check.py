@@ -162,11 +162,10 @@ def _value(v: torch.Tensor) -> str:
 
 def _meta_model(bundle: DataBundle, name: str, args: dict[str, Any] | None) -> nn.Module | None:
     """The model ``name`` for ``bundle`` on the meta device; None where it cannot be built there."""
-    from polytrain.models.registry import build_model
+    from polytrain.models.registry import meta_build
 
     try:
-        with torch.device("meta"):
-            return build_model(name, args, input_shape=bundle.input_shape, num_classes=bundle.num_outputs)
+        return meta_build(name, args, bundle)
     except ConfigError:
         raise  # what the workers would refuse too (cifar_cnn on flat inputs): said here, once
     except Exception:  # noqa: BLE001 - a factory that computes with its tensors: not checked on the meta device

@@ -53,9 +53,7 @@ from polytrain.distributed.elastic import Generation, Membership, MembershipErro
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger, setup_logging
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
-from polytrain.train.lr_schedules import scaled_lr
-from polytrain.train.on_failure import continuing
-from polytrain.train.optim import build_optimizer
+from polytrain.train.on_failure import continuing, expendable
 
 #: for tests: replacements are admitted at the first step boundary from this step on, which waits for one
 JOIN_AT_ENV = "POLYTRAIN_INJECT_JOIN_AT"
@@ -226,17 +224,16 @@ class ElasticRun:
                                  "nothing read from disk)")
 
     def _rebuild(self) -> Any:
-        """This rank's strategy again, over the new generation's group, around the same module."""
-        trainer, s, cfg = self.trainer, self.session, self.trainer.config
-        topology = self.membership.topology()
-        layout = self._cls.layout(topology.world_size, self._options)
-        strategy = self._cls(topology, self._options, layout)
-        lr = scaled_lr(cfg.optim.lr, cfg.optim.lr_scaling, s.plan.global_batch, cfg.optim.base_batch_size)
-        from polytrain.train.session import _place
+        """This rank's strategy again, over the new generation's group, around the same module: built as at a
+        start (:func:`~polytrain.train.session.make_strategy`, :func:`~polytrain.train.session.prepare_strategy`)."""
+        from polytrain.train.session import make_strategy, prepare_strategy, run_lr
 
-        strategy.prepare(self._module, lambda params: build_optimizer(params, cfg.optim, lr), self._recipe,
-                         place=lambda m: _place(s.devices, cfg, strategy, m))
-        strategy.phase = s.devices.phase
+        s = self.session
+        topology = self.membership.topology()
+        layout = expendable(self._cls.layout(topology.world_size, self._options))
+        strategy = make_strategy(s.config, topology, layout)
+        lr = run_lr(s.config, s.plan.global_batch)
+        prepare_strategy(strategy, self._module, s.config, self._recipe, s.devices, lr)
         self._use(strategy)
         return strategy
 
@@ -345,7 +342,7 @@ def before_build(config: Any, layout: Any, membership: Membership | None) -> tup
 
     cls = get_strategy(config.train.strategy)
     members = cls.layout(len(membership.generation.slots), strategy_options(config, cls))
-    layout = replace(members, slices=layout.slices) if layout is not None else members
+    layout = expendable(replace(members, slices=layout.slices) if layout is not None else members)
     if config.checkpoint.resume:
         config = copy.deepcopy(config)
         config.checkpoint.resume = False

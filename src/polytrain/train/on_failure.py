@@ -72,25 +72,22 @@ def check_on_failure(config: Any, layout: Any) -> None:
     if config.launch.heartbeat_timeout <= 0:
         raise ConfigError("--on-failure continue needs the heartbeat (--heartbeat-timeout > 0): a worker that "
                           "stops answering is found by it")
-    section = getattr(config, strategy.config_section, None)
-    if getattr(section, "comm", None) == "shm":
-        raise ConfigError("--on-failure continue: --comm shm cannot be rebuilt over the survivors; use "
-                          "--comm auto or backend")
-    if getattr(section, "balance", "off") != "off":
-        raise ConfigError(f"--on-failure continue: --balance {section.balance} is not supported (the slices are "
-                          "re-cut over the survivors); use --balance off")
 
 
 def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:
     """The config and layout to launch an ``--on-failure continue`` job with: any worker may be lost (the store
-    and the supervision are the launching process's), the global batch is fixed in examples (``--worker-batch-size`` times the workers at launch), and
-    sync averages through the process group (shared memory cannot be rebuilt over the survivors)."""
+    and the supervision are the launching process's: the layout's ``expendable``, from which ``sync`` averages
+    through the process group), and the global batch is fixed in examples (``--worker-batch-size`` times the
+    workers at launch)."""
     if not continuing(config):
         return config, layout
     check_on_failure(config, layout)  # (under torchrun the run's checks are skipped: this one is not)
     config = copy.deepcopy(config)
     config.data.batch_size, config.data.worker_batch_size = config.global_batch(layout.slices), None
-    section = getattr(config, get_declared(config.train.strategy).config_section, None)
-    if getattr(section, "comm", None) == "auto":
-        section.comm = "backend"
-    return config, replace(layout, expendable=tuple(range(layout.processes)))
+    return config, expendable(layout)
+
+
+def expendable(layout: Any) -> Any:
+    """``layout`` with every rank expendable, as under ``--on-failure continue`` (an exchange the survivors cannot
+    rebuild is not opened: ``sync`` averages through the process group, not shared memory)."""
+    return replace(layout, expendable=tuple(range(layout.processes)))

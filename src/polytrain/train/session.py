@@ -3,7 +3,9 @@
 Order: seed → data → strategy (which lays the world out on its axes) and this rank's data slice → batch
 plan → model (prepared by the strategy: moved to the worker's device and wrapped, its sub-modules placed by
 ``--place``/``--placement``, the optimizer built over what this rank updates) → LR schedule → checkpoint
-resume. Every rank builds the same thing from the same seed.
+resume (:mod:`.resume`). Every rank builds the same thing from the same seed; after a membership change
+(``--on-failure continue``) the survivors build their strategy again through the same functions
+(:func:`make_strategy`, :func:`prepare_strategy`).
 """
 
 from __future__ import annotations
@@ -35,27 +37,22 @@ from polytrain.models.lm import check_lm_compat
 from polytrain.models.registry import build_model
 from polytrain.models.lora import apply_lora, describe as describe_lora
 from polytrain.models.replay import build_parts
-from polytrain.precision import cast_model, file_signature, precision_of, resume_note, to_float32
+from polytrain.precision import cast_model, file_signature, precision_of, to_float32
 from polytrain.distributed.layout import Layout
 from polytrain.strategies import Strategy
 from polytrain.strategies.base import check_batch, data_slice
 from polytrain.strategies.registry import strategy_class
 from polytrain.strategies.step import StepRecipe
-from polytrain.train.checkpoint import Checkpointer, capture_rng, restore_rng, warn_choice
+from polytrain.train.checkpoint import Checkpointer, capture_rng
 from polytrain.train.background import CheckpointWrites, copy_state
-from polytrain.train.integrity import signature
-from polytrain.train.lazy import open_verified
 from polytrain.train import reshard
 from polytrain.train.on_failure import continuing
 from polytrain.train.optim import build_optimizer
+from polytrain.train.resume import resume
 from polytrain.train.unit_options import apply_unit_options, describe_unit_options
 from polytrain.train.reshard import DataPosition
 from polytrain.train.lr_schedules import LRSchedule, parse_lr_schedule, scaled_lr
 from polytrain.tasks import Task, check_takes_labels, get_task, packed_task
-
-#: settings that must match to resume a checkpoint (they shape the model, the data or the optimizer state)
-RESUME_MUST_MATCH = ("model", "model_args", "data", "data_args", "tokenizer", "pack", "optimizer")
-
 
 #: the opening line saying what is minimised, for each --loss
 _LOSS_LINES = {
@@ -220,8 +217,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
-    strategy_cls = strategy_class(config, layout, topology.world_size)
-    strategy = strategy_cls(topology, strategy_options(config, strategy_cls), layout)
+    strategy = make_strategy(config, topology, layout)
     mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)
     check_batch(slices, global_batch, config.train.accumulate)
@@ -245,7 +241,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     if config.train.loss == "model":
         check_takes_labels(model, config.model.model)
     devices = _device_runtime(config, topology)
-    lr = scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
+    lr = run_lr(config, global_batch)
     task = get_task(data.task) if data.document_end is None else packed_task(data.document_end, model,
                                                                              config.model.model)
     recipe = StepRecipe(task, config.train.accumulate, config.optim.clip_grad_norm, config.train.loss,
@@ -253,9 +249,7 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
     model = apply_lora(model, config.lora.lora)  # --lora: adapters put in, the model's own weights frozen
     model = cast_model(model, recipe.precision, strategy.traits.own_precision)  # bf16-true: in bfloat16 before prepare
     model = apply_unit_options(model, config.units)  # --activation-checkpointing, --compile: per unit, before any wrap
-    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
-                             place=lambda m: _place(devices, config, strategy, m))
-    strategy.phase = devices.phase
+    model = prepare_strategy(strategy, model, config, recipe, devices, lr)
     lr_schedule = parse_lr_schedule(config.optim.lr_schedule, lr, total_steps)
     checkpointer = (Checkpointer(config.checkpoint.checkpoint_dir, config.checkpoint.keep_checkpoints,
                                  config.checkpoint.on_checkpoint_error) if config.checkpoint.checkpoint_dir else None)
@@ -263,9 +257,31 @@ def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = No
                       checkpointer, _step_slices(strategy, mine, global_batch, config), devices=devices,
                       weights=weights)
     if config.checkpoint.resume:
-        _resume(session)
+        resume(session)
     devices.log_steps_from(session.start_step, config.device.log_placement_steps)
     return session
+
+
+def make_strategy(config: RunConfig, topology: Topology, layout: Layout | None) -> Strategy:
+    """This rank's strategy: the class that runs the layout's degrees, with its options, over ``topology`` (at a
+    start, and over the survivors after a membership change: :mod:`polytrain.train.elastic`)."""
+    strategy_cls = strategy_class(config, layout, topology.world_size)
+    return strategy_cls(topology, strategy_options(config, strategy_cls), layout)
+
+
+def prepare_strategy(strategy: Strategy, model: nn.Module, config: RunConfig, recipe: StepRecipe,
+                     devices: DeviceRuntime, lr: float) -> nn.Module:
+    """``model`` prepared by ``strategy`` (moved, wrapped or cut, its sub-modules placed as ``--place`` says),
+    the optimizer built over what this rank updates; at a start and after a membership change alike."""
+    model = strategy.prepare(model, lambda params: build_optimizer(params, config.optim, lr), recipe,
+                             place=lambda m: _place(devices, config, strategy, m))
+    strategy.phase = devices.phase
+    return model
+
+
+def run_lr(config: RunConfig, global_batch: int) -> float:
+    """The base learning rate for ``global_batch`` examples a step (``--lr-scaling``)."""
+    return scaled_lr(config.optim.lr, config.optim.lr_scaling, global_batch, config.optim.base_batch_size)
 
 
 def _plan(data: DataBundle, global_batch: int, config: RunConfig, strategy: Strategy,
@@ -330,111 +346,3 @@ def _place(devices: DeviceRuntime, config: RunConfig, strategy: Strategy, model:
 def _build_data(config: RunConfig) -> DataBundle:
     from polytrain.data.registry import data_of
     return data_of(config)
-
-
-def _resume(s: Session) -> None:
-    if s.checkpointer is None:
-        raise ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    trainers = s.strategy.trainers
-    # a rank whose holdings are the run's state reads only its rows of the checkpoint, itself (held_state);
-    # any other gets the whole state from the trainers' rank 0
-    held = s.strategy.held_state if s.strategy.held_state is not None and s.strategy.held_state.by_rows else None
-    found: tuple[dict[str, Any] | None, str | None, str | None] = (None, None, None)  # state, its file, error
-    if trainers.is_main:
-        # a damaged file, or one of another model, is skipped for the previous one (see docs/errors.md);
-        # the model's own state_dict says which tensors a checkpoint of it holds
-        choice = s.checkpointer.choose(file_signature(signature(s.strategy.module.state_dict()),
-                                                      s.strategy.amp.precision), lazy=held is not None)
-        warn_choice(choice, s.log.warning, "--resume: ")
-        if choice.good is not None:
-            found = (choice.good.state if held is None else {}, str(choice.good.path), None)
-        elif choice.rejected:
-            found = (None, None, f"--resume: {choice.no_good_message(s.checkpointer.directory)}")
-    # every trainer raises the same error, rather than the others waiting for rank 0's end
-    state, path, error = trainers.broadcast_object(found)
-    if error:
-        raise ConfigError(error)
-    if state is None:
-        s.log.warning(f"--resume: no checkpoint in {s.checkpointer.directory} yet; starting from step 0")
-        return
-    checkpoint = open_verified(path) if held is not None else None  # (verified by rank 0: mapped, not read)
-    if checkpoint is not None:
-        state = checkpoint.run
-    saved = state["config"]
-    current = s.config.flat()
-    defaults = RunConfig().flat()  # what a key that a checkpoint of an older polytrain lacks was then
-    clash = [k for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != current.get(k)]
-    if clash:
-        raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with a different "
-                          f"{', '.join(clash)}; use the same settings or another --checkpoint-dir")
-    note = resume_note(saved, s.strategy.amp.precision)
-    if note and trainers.is_main:
-        s.log.info(note)
-    if checkpoint is not None:
-        held.load(checkpoint)
-    else:
-        s.strategy.load_state_dict(state)
-    s.strategy.amp.load_state_dict(state)
-    s.start_step = int(state["step"])
-    s.weights = f"weights from the checkpoint of step {s.start_step}"
-    _continue_data(s, state)
-    if len(state["rng"]) == trainers.world_size:
-        restore_rng(state["rng"][trainers.rank])
-    else:
-        s.log.warning(f"--resume: checkpoint made by {len(state['rng'])} workers, now {trainers.world_size}: "
-                      "random streams restart from the seed (the data order is unaffected)")
-    read = f"; rank 0 read {held.read[0] / 2**20:.1f} of the checkpoint's {held.read[1] / 2**20:.1f} MiB of tensors " \
-        "(the rows it holds)" if checkpoint is not None and held.read[0] < held.read[1] else ""
-    s.log.info(f"resumed from step {s.start_step} ({path}){read}")
-    if s.start_step >= s.total_steps and trainers.is_main:
-        s.log.warning(_nothing_left_message(s))
-
-
-def _nothing_left_message(s: Session) -> str:
-    """The warning of a resume at or past the run's end: which setting ends it, and what to raise."""
-    steps, epochs = s.config.train.steps, s.config.train.epochs
-    end = f"--steps {steps}" if steps else f"the end of --epochs {epochs or 1} (step {s.total_steps})"
-    return (f"--resume: the checkpoint in {s.checkpointer.directory} is at step {s.start_step}, at or past {end}: "
-            f"nothing left to train (the model stays at step {s.start_step}); raise "
-            f"{'--steps' if steps else '--epochs'} to train further")
-
-
-def _continue_data(s: Session, state: dict[str, Any]) -> None:
-    """Continue the checkpoint's data position (at its global batch or another, see :mod:`.reshard`), with
-    the steps left and the LR that follow; a stream's lanes where they were."""
-    saved = state.get("data_position") or {}
-    if isinstance(s.plan, StreamPlan) or saved.get("stream"):
-        if not (isinstance(s.plan, StreamPlan) and saved.get("stream")):
-            raise ConfigError(f"--resume: the checkpoint in {s.checkpointer.directory} was made with "
-                              f"{'a stream' if saved.get('stream') else 'map-style data'}; resume with the data it "
-                              "was made with, or use another --checkpoint-dir")
-        s.plan = StreamPlan.make(s.plan.stream, s.plan.global_batch, s.slice.count, saved)
-        return
-    position = DataPosition.saved(state, s.plan.num_examples)
-    try:
-        s.plan = reshard.continue_plan(s.plan, position, s.start_step)
-    except ValueError as exc:  # a bucketed plan continues only at its own global batch
-        raise ConfigError(f"--resume: the checkpoint was made with global batch {position.global_batch}: {exc}; "
-                          f"resume with that batch size") from None
-    if s.plan.resumed is None:
-        return
-    cfg = s.config
-    s.total_steps = reshard.total_steps(s.plan, cfg.train.steps, cfg.train.epochs)
-    schedule = parse_lr_schedule(cfg.optim.lr_schedule, s.lr_schedule.base_lr, s.total_steps)
-    s.lr_schedule = schedule
-    r, old_batch = s.plan.resumed, position.global_batch
-    s.log.info(f"--resume: global batch {old_batch} -> {s.plan.global_batch}: epoch {r.epoch} continues from "
-               f"example {r.offset} of its {r.end} in {s.plan.resumed_steps} step(s) of the new batch")
-    skipped = reshard.skipped_examples(s.plan)
-    if skipped:
-        s.log.warning(f"--resume: the {r.end - r.offset} examples left in epoch {r.epoch} are not a multiple of the "
-                      f"global batch {s.plan.global_batch}: its last {skipped} are skipped (a global batch that "
-                      "divides them takes every one)")
-    old_lr, warmup = reshard.saved_lr(state), cfg.optim.rescale_warmup_steps
-    new_lr = schedule(s.start_step)
-    if old_batch != s.plan.global_batch and old_lr is not None and old_lr != new_lr:
-        how = "at once" if not warmup else f"linearly over {warmup} step(s) (--rescale-warmup-steps)"
-        s.log.info(f"--resume: learning rate {old_lr:g} -> {new_lr:g} for global batch {s.plan.global_batch} "
-                   f"(--lr-scaling {cfg.optim.lr_scaling}), {how}")
-        if warmup:
-            s.lr_schedule = reshard.Rescaled(schedule, s.start_step, old_lr, warmup)

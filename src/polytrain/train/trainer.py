@@ -38,17 +38,11 @@ from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
 from polytrain.devices.soft import operator_errors
 from polytrain.errors import DivergedError, RunStopped
-from polytrain.models.lora import export as lora_export, lora_of
-from polytrain.precision import to_float32
 from polytrain.strategies.step import RunSource
-from polytrain.train import elastic, session
+from polytrain.train import elastic, outputs, session
 from polytrain.train.background import CheckpointWrites
 from polytrain.train.snapshot import snapshot_due, snapshots_of
-from polytrain.train.files import atomic_save
 from polytrain.train.evaluation import EvalBatchSize, saved_first
-from polytrain.devices.memory_limit import parse_size
-from polytrain.weights.export import is_directory_target
-from polytrain.weights.save import save_model
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
@@ -206,7 +200,7 @@ class Trainer:
         saved += self._save_model()
         if s.data.test is not None:
             last_eval = self._final_evaluation(run_log, step, saved)
-        return self._summary(step, last_interval_loss, last_eval)
+        return outputs.summary(self, step, last_interval_loss, last_eval)
 
     def _watched_step(self, batches: Any, step: int, lr: float) -> tuple[Any, Any]:
         """One step inside what watches it: the profiler (--profile), the device runtime (per-operator log,
@@ -251,7 +245,7 @@ class Trainer:
             s.log.warning(f"{name}: stopped after step {step} without --checkpoint-dir: the "
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
-        summary = self._summary(step, train_loss, last_eval)
+        summary = outputs.summary(self, step, train_loss, last_eval)
         summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
                               **self.stopping.record()}
         return summary
@@ -383,74 +377,10 @@ class Trainer:
         return path
 
     def _save_model(self) -> list[str]:
-        path = self.config.train.save_model
-        if not path:
+        if not self.config.train.save_model:
             return []
         self._check_finite()
-        adapters = lora_of(self.strategy.module)
-        if adapters is not None:  # --lora: the adapters in PEFT's format (--merge-lora: and the merged model)
-            state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
-            if not self.topology.is_main:
-                return []
-            lora_export(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), adapters, path,
-                        self.config.lora.merge_lora)
-            self.session.log.info(f"LoRA adapters saved to {path} (PEFT's format)")
-            return [f"--save-model {path}"]
-        if is_directory_target(path) or path.endswith(".safetensors"):  # one tensor at a time, never the whole
-            save_model(self.strategy, path, parse_size(self.config.train.save_shard_size))
-            if not self.topology.is_main:
-                return []
-            self.session.log.info(f"model saved to {path}")
-            return [f"--save-model {path}"]
-        state = self.strategy.state_dict(optimizer=False)  # every rank: a strategy may gather the model's parts
-        if not self.topology.is_main:
-            return []
-        # float32 whatever --precision (bf16-true's bfloat16 widened, exactly), as checkpoints hold
-        atomic_save(to_float32({k: v.detach().cpu() for k, v in state["model"].items()}), path)
-        self.session.log.info(f"model saved to {path}")
-        return [f"--save-model {path}"]
-
-    def _summary(self, step: int, train_loss: float | None,
-                 last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
-        s = self.session
-        eval_loss, eval_accuracy = last_eval if last_eval else (None, None)
-        eval_extra = {f"eval_{k}": v for k, v in s.task.metrics(*last_eval).items()} if last_eval else {}
-        strategy_numbers = self.strategy.summary_metrics()  # collective over the trainers
-        meter, batch = self.meter, s.plan.global_batch
-        # the steady rate: the steps after the warm-up (every step's in a run no longer than it), each step's own
-        # seconds (not the log points', evaluations' and checkpoints' work between steps)
-        steady = meter.steady_steps_per_sec() or 0.0
-        warmup = meter.warmup_steps_per_sec()
-        busy = meter.steady_busy_examples_per_sec()
-        return {
-            "steps": step,
-            "train_loss": train_loss,
-            "eval_loss": eval_loss,
-            "eval_accuracy": eval_accuracy,
-            **eval_extra,
-            "examples_per_sec": round(steady * batch, 2),
-            "warmup_steps": meter.warmup_steps,
-            "warmup_s": round(meter.warmup_s, 4),
-            "warmup_examples_per_sec": None if warmup is None else round(warmup * batch, 2),
-            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
-            "rank_examples_per_sec": self.topology.all_gather_object(round(busy, 2)),
-            "strategy": self.config.train.strategy,
-            "workers": self.topology.world_size,
-            "global_batch": s.plan.global_batch,
-            **packed_efficiency(s.data),
-            **strategy_numbers,
-            **self.straggler.summary(self.topology),
-            **self.memory.summary(self.strategy, self.topology),  # collective over the trainers
-            **self.writes.summary(),
-            **self.snapshot_writes.summary(),
-        }
-
-
-def packed_efficiency(data: DataBundle) -> dict[str, float]:
-    """``packed_efficiency``: of the token positions the packed training sequences hold, the share that are
-    real target tokens (the rest padding, or a target after a document's end); {} for unpacked data."""
-    efficiency = getattr(data.train, "efficiency", None)
-    return {"packed_efficiency": round(efficiency(), 4)} if data.document_end is not None and efficiency else {}
+        return outputs.save_trained_model(self.strategy, self.config, self.topology)
 
 
 def train_worker(ctx: Any, config: RunConfig, model: nn.Module | None = None,

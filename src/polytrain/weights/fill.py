@@ -53,6 +53,8 @@ def _blocks(tensor: torch.Tensor) -> bool:
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor, or the tensor itself, without importing ``torch.distributed.tensor`` (for
+    what runs before any axis did: :func:`polytrain.parallel.dtensor.local` where DTensors are at hand)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 

@@ -11,6 +11,7 @@ import torch
 from polytrain.errors import CheckpointError
 from polytrain.weights.export import (finish_directory, hf_config_text, is_directory_target, shard_paths,
                                       write_tensors, written_dtype)
+from polytrain.weights.fill import local_of
 from polytrain.weights.safetensors_file import DEFAULT_SHARD_BYTES, Entry, SafetensorsFile, plan_shards
 
 _SHARDED, _WHOLE, _NONE = "d", "w", "-"
@@ -22,7 +23,7 @@ def _held(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, str]
     for name, tensor in module.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor):
             continue
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_of(tensor)
         if hasattr(tensor, "device_mesh"):
             kind = _SHARDED
         elif local.is_meta or (local.numel() == 0 and tensor.dim() > 0):

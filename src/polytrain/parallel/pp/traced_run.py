@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build
 from polytrain.models.parts import tied_groups, units
+from polytrain.parallel.dtensor import local
 from polytrain.parallel.pp import split, traced
 from polytrain.strategies.step import _model_global_units, loss_divisor
 
@@ -220,7 +220,7 @@ class TracedRun:
             if param.numel() > 0:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+                grads.append(local(param.grad))
             else:
                 grads.append(torch.zeros(self._tied_rows(shape), dtype=param.dtype, device=device))
         flat = _flatten_dense_tensors(grads)
@@ -299,15 +299,13 @@ def plan_split(config: Any, layout: Any) -> traced.TracedSplit | None:
     on the meta device); None for a model cut as a chain of units. One ConfigError line where a run would
     refuse the split."""
     from polytrain.data.registry import data_of
-    from polytrain.models.registry import build_model
+    from polytrain.models.registry import meta_build, model_name
     from polytrain.parallel.pp import plan
     from polytrain.tasks import get_task
 
     data = data_of(config)
-    name = data.default_model if config.model.model == "auto" else config.model.model
-    with torch.device("meta"):
-        model = build_model(name, config.model.model_args, input_shape=data.input_shape,
-                            num_classes=data.num_outputs)
+    name = model_name(config, data)
+    model = meta_build(name, config.model.model_args, data)
     opts, loss = config.pipeline, config.train.loss
     starts = split.parse_split(opts.split_at)
     if chain_kind(model) and not must_trace(model, starts, loss):
