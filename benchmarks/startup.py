@@ -1,10 +1,11 @@
 """Start-up against torchrun: ``polytrain train`` (2 workers, sync, a tiny MLP, 2 steps) and ``torchrun`` running
 a plain DDP script of the same model and steps, in pairs (the order swapped every pair), on one machine.
 
-Per run: the whole process's wall time (command to exit), the time from the command to the end of the first
-step (polytrain: the first record of ``--metrics-file``, whose ``time`` is when the step's record was written;
-the DDP script: rank 0 writes it after its first ``optimizer.step()``), and the CPU of the process tree
-(user + sys of the command and every process it waited for, as ``getrusage(RUSAGE_CHILDREN)`` counts them).
+Per run: the whole process's wall time (command to exit), the time from the command to the start of the first
+step (polytrain: the summary's ``startup_s``, counted from the command's process start; the DDP script: rank 0
+notes the time as its first step begins, counted from when the driver started torchrun), and the CPU of the
+process tree (user + sys of the command and every process it waited for, as ``getrusage(RUSAGE_CHILDREN)``
+counts them).
 Prints each pair's ratio polytrain / torchrun and their median and spread, with the machine's load.
 
     python benchmarks/startup.py --pairs 5
@@ -36,12 +37,12 @@ model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.L
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
 for step in range(2):
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
     if step == 0 and dist.get_rank() == 0:
         with open(sys.argv[1], "w") as fh:
             fh.write(repr(time.time()))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 dist.destroy_process_group()
 '''
 
@@ -62,8 +63,8 @@ def polytrain_run(tmp: Path, env: dict[str, str]) -> dict[str, float]:
     wall, cpu, start = _run([sys.executable, "-m", "polytrain", "train", "--strategy", "sync", "--workers", "2",
                              "--model", "mlp:hidden=32", "--data", "synthetic", "--steps", "2", "--log-every", "1",
                              "--eval-every", "0", "--progress", "off", "--metrics-file", str(metrics)], env)
-    first = next(json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line)
-    return {"wall_s": wall, "cpu_s": cpu, "first_step_s": float(first["time"]) - start}
+    end = next(json.loads(line) for line in metrics.read_text().splitlines() if '"event": "end"' in line)
+    return {"wall_s": wall, "cpu_s": cpu, "first_step_s": float(end["startup_s"])}
 
 
 def torchrun_run(tmp: Path, env: dict[str, str]) -> dict[str, float]:

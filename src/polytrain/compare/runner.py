@@ -89,12 +89,12 @@ def plan_cases(cfg: CompareConfig, specs: list[StrategySpec]) -> list[Case]:
 
 def available(specs: list[StrategySpec], named_by_user: bool) -> tuple[list[StrategySpec], list[str]]:
     """The specs whose strategy exists here; a missing one is an error if the user named it, else a note."""
-    from polytrain.strategies.registry import get_declared
+    from polytrain.strategies import get_strategy
 
     kept, notes = [], []
     for spec in specs:
         try:
-            get_declared(spec.name)
+            get_strategy(spec.name)  # (imported here: the forkserver preloads every compared strategy)
             kept.append(spec)
         except ConfigError:
             if named_by_user:
