@@ -15,7 +15,7 @@ import polytrain.distributed.launch  # noqa: F401  (--workers, --backend, --time
 import polytrain.models.lora  # noqa: F401  (--lora, --merge-lora)
 import polytrain.models.registry  # noqa: F401  (--model and the reference models)
 import polytrain.parallel.degrees  # noqa: F401  (--dp-replicate, --dp-shard, --pp, --tp)
-import polytrain.strategies  # noqa: F401  (the strategies and their sections)
+import polytrain.strategies  # noqa: F401  (the registry and the protocol)
 import polytrain.train.checkpoint  # noqa: F401  (--checkpoint-dir, ...)
 import polytrain.train.config  # noqa: F401  (--strategy, --steps, ...)
 import polytrain.train.faults  # noqa: F401  (--max-restarts, --checkpoint-every-seconds)
@@ -27,9 +27,10 @@ import polytrain.train.straggler  # noqa: F401  (--straggler)
 import polytrain.train.trackers  # noqa: F401  (--tracker mlflow|wandb)
 import polytrain.train.unit_options  # noqa: F401  (--activation-checkpointing, --compile)
 
-# polytrain's own strategies, whose modules register their sections (--stages, --microbatches, --sync-every,
-# --staleness, fsdp's and tp's options): the registry imports a strategy's module at the first look-up of its
-# name, but every flag and key must exist before any name is looked up (the parser, make_config)
-from polytrain.strategies.registry import registered as _registered  # noqa: E402
+# polytrain's own strategies as declared (strategies/declared.py): each one's light module registers its section
+# (--stages, --microbatches, --sync-every, --staleness, fsdp's and tp's options), so that every flag and key exists
+# before any name is looked up (the parser, make_config); a strategy's own module is imported where a run with it
+# is built (get_strategy)
+from polytrain.strategies.registry import declared as _declared  # noqa: E402
 
-_registered()
+_declared()

@@ -13,7 +13,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.parallel.pp import plan, split
-from polytrain.parallel.pp.strategy import check_split, choose_split
+from polytrain.parallel.pp.split import check_split, choose_split
 from tests.helpers.cli_batch import run_here
 
 SHAPES = [(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)]

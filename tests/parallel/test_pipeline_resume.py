@@ -10,7 +10,7 @@ from torch import nn
 import polytrain
 from polytrain.models.transformer_lm import transformer_lm
 from polytrain.parallel.pp import split
-from polytrain.parallel.pp.strategy import choose_split
+from polytrain.parallel.pp.split import choose_split
 from tests.helpers.cli_batch import run_here
 
 MODEL = "transformer_lm:layers=4,dim=32,heads=2"

@@ -232,6 +232,7 @@ OWN = {
         "info", "me", "mine", "modules", "num_stages", "owned", "ranks", "replicas", "schedule", "sharded", "split",
         "stage_objects", "tp"},
     "polytrain.parallel.pp.traced_run.TracedRun": {"is_traced", "owned", "split"},
+    "polytrain.parallel.pp.replicas.StageReplicas": {"owned"},
     "polytrain.strategies.sync.SyncDataParallel": {"compression_state"},
     "polytrain.parallel.tp.strategy.TensorParallel": {"plan"},
 }

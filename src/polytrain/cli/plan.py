@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from polytrain.cli.train import config_from
-    from polytrain.strategies.registry import registered, strategy_class
+    from polytrain.strategies.registry import declared, declared_class
     from polytrain.strategies.settings import check_settings_read
     from polytrain.parallel.memory_plan import estimate_memory
     from polytrain.parallel.degrees import order
@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     warn_deprecated(config)
     layout = layout_of(config)  # (the batch and the model are train's to check: this is their layout)
-    check_settings_read(config, strategy_class(config, layout), registered())
+    check_settings_read(config, declared_class(config, layout), declared())
     schedule = _schedule(config, layout)
     traced_split = _traced_split(config, layout)  # a model the tracer cuts: where, and what each stage holds
     tp_plan = _tp_plan(config, layout)
     memory = estimate_memory(config, layout)  # each rank's bytes, from a model that allocates nothing
-    steps = order(dict(layout.axes), strategy_class(config, layout).traits.meeting, config.units)
+    steps = order(dict(layout.axes), declared_class(config, layout).traits.meeting, config.units)
     if getattr(args, "json", False):
         print(json.dumps({"layout": layout.as_dict(), "order": [s.strip() for s in steps],
                           **({"pipeline": schedule} if schedule else {}),

@@ -43,9 +43,9 @@ def link_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` of a case on the link: a strategy's shared-memory shortcut switched to the process group
     (the caller names the case in an error)."""
     from polytrain.config import all_options
-    from polytrain.strategies import get_strategy
+    from polytrain.strategies.registry import get_declared
 
-    section = get_strategy(settings["strategy"]).config_section
+    section = get_declared(settings["strategy"]).config_section
     keys = {info.key for info in all_options() if info.section == section}
     out = dict(settings)
     for key, (value, refused) in _ON_THE_LINK.items():

@@ -94,7 +94,7 @@ def available(specs: list[StrategySpec], named_by_user: bool) -> tuple[list[Stra
     kept, notes = [], []
     for spec in specs:
         try:
-            get_strategy(spec.name)
+            get_strategy(spec.name)  # (imported here: the forkserver preloads every compared strategy)
             kept.append(spec)
         except ConfigError:
             if named_by_user:

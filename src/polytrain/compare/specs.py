@@ -109,11 +109,10 @@ class CompareConfig:
         """``--set``'s settings that ``strategy`` reads: one of a strategy's own (``comm=backend``: sync's)
         goes to that strategy's cases only, where a run would refuse it."""
         from polytrain.config import all_options
-        from polytrain.strategies import get_strategy
-        from polytrain.strategies.registry import registered
+        from polytrain.strategies.registry import declared, get_declared
         from polytrain.strategies.settings import readers
 
-        own = get_strategy(strategy).config_section
+        own = get_declared(strategy).config_section
         section = {info.key: info.section for info in all_options()}
-        others = set(readers(registered())) - {own}
+        others = set(readers(declared())) - {own}
         return {key: value for key, value in self.extra.items() if section.get(key.replace("-", "_")) not in others}

@@ -27,8 +27,8 @@ from polytrain.errors import ConfigError
 START_METHODS = ("forkserver", "spawn", "fork")
 
 
-#: what the forkserver imports once, so that no worker imports it again: polytrain's own strategies too (their
-#: modules import DTensor, pipelining and the tracer: seconds of CPU that every worker paid otherwise)
+#: what the forkserver imports once, so that no worker imports it again; and polytrain's own strategy modules
+#: that the launching process has imported (:func:`start_context`)
 _PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.worker",
             "polytrain.train.trainer"]
 
@@ -52,11 +52,19 @@ def start_context(job: Any = None) -> Any:
         raise ConfigError(f"POLYTRAIN_START_METHOD=fork: this process cannot fork its workers ({why}); unset it")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        from polytrain.strategies.registry import BUILTIN_STRATEGIES
-
         # (only read when the forkserver starts: once per launcher process)
-        ctx.set_forkserver_preload([*_PRELOAD, *dict.fromkeys(BUILTIN_STRATEGIES.values())])
+        ctx.set_forkserver_preload([*_PRELOAD, *strategy_modules()])
     return ctx
+
+
+def strategy_modules() -> list[str]:
+    """polytrain's own strategy modules that this process has imported, for the forkserver to import once: the
+    run's own strategy (the launcher's checks import it), not the others (their modules import DTensor,
+    pipelining and the tracer: seconds of CPU that a run of ``sync`` need not pay), nor the launcher's before it
+    is needed (``polytrain plan`` imports none)."""
+    from polytrain.strategies.registry import BUILTIN_STRATEGIES
+
+    return [module for module in dict.fromkeys(BUILTIN_STRATEGIES.values()) if module in sys.modules]
 
 
 def _unimportable(job: Any) -> str | None:

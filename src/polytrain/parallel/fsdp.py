@@ -21,7 +21,7 @@ the whole model into rank 0's memory, one tensor at a time.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -29,14 +29,13 @@ from torch import nn
 
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
-from polytrain.options import option, register_section
+from polytrain.parallel.fsdp_config import FsdpDeclared
 from polytrain.parallel.dtensor import clip, load_whole, local, whole_state
 from polytrain.parallel.tp.plan import plan_for
 from polytrain.parallel.tp.strategy import check_tp
 from polytrain.precision import Amp, refuse_loss_scaling
 from polytrain.strategies.base import Strategy, check_batch
-from polytrain.strategies.registry import mesh_layout, register_strategy
-from polytrain.strategies.traits import Traits
+from polytrain.strategies.registry import register_strategy
 from polytrain.log import get_logger
 from polytrain.models.deferred import (describe_whole_build, is_deferred, materialize, materialize_all,
                                        weights_of)
@@ -44,31 +43,9 @@ from polytrain.models.parts import retie, unit_groups, units
 from polytrain.strategies.held import HeldState
 
 
-@register_section("fsdp", "strategy fsdp (sharded data parallel)", order=73)
-@dataclass
-class FsdpConfig:
-    reshard_after_forward: bool = option(True, "fsdp: free each unit's gathered parameters after its forward and "
-                                               "gather them again for its backward (ZeRO-3); off keeps them "
-                                               "until backward (ZeRO-2-like: one all-gather less a step, more "
-                                               "memory)")
-
-
 @register_strategy
-class FullyShardedDataParallel(Strategy):
-    name = "fsdp"
-    summary = "sharded data parallel (FSDP2): each worker a slice of every batch and 1/N of the model's state"
-    config_section = "fsdp"
-    # bf16-mixed: FSDP2's MixedPrecisionPolicy (see _policy); --tp: each unit's plan layers split over tp first,
-    # then sharded (FSDP x TP, 2-D), reading --tp-plan
-    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills="dp_shard",
-                    cuts=("dp_shard", "tp"), own_precision=("bf16-mixed",), reads=("tp",),
-                    lost_worker="keeps each parameter and optimizer shard on one worker only, so a dead worker's "
-                                "shards are gone")
+class FullyShardedDataParallel(FsdpDeclared, Strategy):
     _max_norm: float | None = None
-
-    @classmethod
-    def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:

@@ -102,7 +102,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
     from polytrain.errors import PolytrainError
     from polytrain.models.registry import meta_build, model_name
     from polytrain.precision import cast_model, precision_of
-    from polytrain.strategies.registry import strategy_class
+    from polytrain.strategies.registry import declared_class
     from polytrain.tasks import get_task
     from polytrain.train.optim import build_optimizer
     from polytrain.train.unit_options import chosen_units
@@ -122,7 +122,7 @@ def estimate_memory(config: Any, layout: Layout) -> MemoryEstimate:
                                       f"{exc}); the run itself is not affected")
     try:
         precision = precision_of(config)
-        traits = strategy_class(config, layout).traits
+        traits = declared_class(config, layout).traits  # (no strategy module imported)
         model = cast_model(model, precision, traits.own_precision)
         forward = Forward(precision.autocast_dtype,
                            tuple(n for n, _ in chosen_units(model, config.units.activation_checkpointing)))

@@ -50,16 +50,14 @@ from polytrain.distributed.topology import Topology, arrange
 from polytrain.errors import ConfigError
 from polytrain.models.deferred import materialize_all
 from polytrain.options import section_defaults
-from polytrain.parallel.degrees import given_degrees
 from polytrain.phases import phase
 from polytrain.precision import Amp
+from polytrain.strategies.declared import one_process
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 from polytrain.strategies.traffic import Traffic
 from polytrain.strategies.traits import Traits
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-#: what ``polytrain train`` uses without ``--workers`` (a data-parallel strategy's process count)
-DEFAULT_WORKERS = 2
 _NOTHING = contextlib.nullcontext()  # (one, reused: a step's contexts allocate nothing)
 
 
@@ -147,12 +145,7 @@ class Strategy:
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:
         """The job's layout for ``--workers`` (None: not given). By default one process, which no degree cuts."""
-        given = {axis: size for axis, size in given_degrees(options).items() if size is not None and size > 1}
-        if given:
-            flags = " ".join(f"--{axis.replace('_', '-')} {size}" for axis, size in given.items())
-            raise ConfigError(f"--strategy {cls.name} runs one process; {flags} lays a model over several: use "
-                              f"--strategy sync with it")
-        return Layout.data_parallel(cls.name, 1)
+        return one_process(cls, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:

@@ -7,12 +7,11 @@ from typing import Any
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.registry import register_strategy
 from polytrain.strategies.held import HeldState
+from polytrain.strategies.single_config import SingleDeclared
 
 
 @register_strategy
-class SingleDevice(Strategy):
-    name = "single"
-    summary = "one process on one device"
+class SingleDevice(SingleDeclared, Strategy):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

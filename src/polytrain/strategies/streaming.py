@@ -38,7 +38,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from polytrain.parallel.dtensor import local
 
 BLOCK = 256  # values per quantisation scale
-QUANTIZE_CHOICES = ("off", "int8", "int4")
 
 
 # -- quantisation --------------------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ class ElasticRun:
             old = trainer.strategy
             trainer.strategy = s.strategy = s.model = None
             old.model = None  # DDP's reducer holds hooks on the parameters until it is freed
-            del old  # (sync's exchange runs through the process group here: launch_settings)
+            del old  # (sync's exchange runs through the process group here: every rank is expendable)
         state, pending, old_index, old_generation = self._carry
         at = os.environ.get(JOIN_AT_ENV)
         generation = self.membership.change(self.committed, cut=failed,

@@ -19,7 +19,7 @@ from typing import Any
 
 from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
-from polytrain.strategies.registry import available_strategies, get_strategy
+from polytrain.strategies.registry import available_strategies, get_declared
 
 CHOICES = ("stop", "continue")
 
@@ -44,11 +44,11 @@ def check_on_failure(config: Any, layout: Any) -> None:
     """One line for a setting ``--on-failure continue`` cannot work with, before anything starts."""
     if not continuing(config):
         return
-    from polytrain.strategies.registry import strategy_class
+    from polytrain.strategies.registry import declared_class
 
-    strategy = strategy_class(config, layout)  # (the class that runs the degrees: sync --dp-shard 2 is fsdp's)
+    strategy = declared_class(config, layout)  # (the class that runs the degrees: sync --dp-shard 2 is fsdp's)
     if strategy.traits.lost_worker is not None:
-        supported = [name for name in available_strategies() if get_strategy(name).traits.lost_worker is None]
+        supported = [name for name in available_strategies() if get_declared(name).traits.lost_worker is None]
         raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {strategy.traits.lost_worker}; use "
                           f"--on-failure stop with --max-restarts and checkpoints, or --strategy "
                           f"{' | '.join(supported)}")

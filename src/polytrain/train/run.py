@@ -26,9 +26,8 @@ from polytrain.models.registry import check_model
 from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
-from polytrain.strategies import get_strategy
 from polytrain.strategies.base import layout_for
-from polytrain.strategies.registry import registered, strategy_class
+from polytrain.strategies.registry import declared, declared_class, get_declared, strategy_class
 from polytrain.parallel.degrees import deprecated_flags
 from polytrain.strategies.settings import check_settings_read
 from polytrain.specs import is_import_path
@@ -46,7 +45,7 @@ from polytrain.train.trainer import train_worker
 def layout_of(config: RunConfig) -> Layout:
     """The job's layout, decided here, once: from ``--workers`` (None: not given) and the strategy's own
     settings; under torchrun, the one that fills torchrun's world."""
-    strategy = get_strategy(config.train.strategy)
+    strategy = get_declared(config.train.strategy)  # (no strategy module imported: polytrain plan)
     options = strategy_options(config, strategy)
     if under_torchrun():
         return layout_for(strategy, int(os.environ["WORLD_SIZE"]), options)
@@ -70,15 +69,14 @@ def requested_workers(config: RunConfig) -> int | None:
 
 def check(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle | None = None) -> Layout:
     """Validate ``config`` without starting anything; return the job's layout."""
-    get_strategy(config.train.strategy)
+    get_declared(config.train.strategy)
     parse_device(config.device.device)
     warn_deprecated(config)
     layout = layout_of(config)
-    strategy = strategy_class(config, layout)
+    check_settings_read(config, declared_class(config, layout), declared())  # (before the strategy's module)
     check_device_config(config.device, layout.processes)
     resolve_backend(config.launch.backend, config.device.device, soft=config.device.soft_placement)
-    strategy.check(layout, config, model)
-    check_settings_read(config, strategy, registered())
+    strategy_class(config, layout).check(layout, config, model)
     check_stragglers(config.straggler.straggler, layout.workers)
     check_unit_options(config, model)
     check_lora(config, model)

@@ -1,2 +1,4 @@
-"""``pipeline`` and ``hybrid`` strategies (:mod:`.strategy`, registered when the registry first looks a name up),
-their schedules as data (:mod:`.plan`) and the model's split into stages (:mod:`.split`)."""
+"""``pipeline`` and ``hybrid`` strategies (:mod:`.strategy`, imported where a run with one is built; their settings
+and declared classes in :mod:`.config`), their schedules as data (:mod:`.plan`), the model's split into stages
+(:mod:`.split`), a rank's stages' state (:mod:`.state`) and what the stages' replicas do together
+(:mod:`.replicas`)."""

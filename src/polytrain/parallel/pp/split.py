@@ -252,3 +252,43 @@ class Split:
             ms = self.stage_ms()
             lines.append(f"  slowest/fastest stage: {max(ms) / max(min(ms), 1e-9):.2f}x")
         return "\n".join(lines)
+
+
+def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:
+    names = [name for name, _ in units(model)]
+    check_splittable(names, stages, f"--stages/--schedule ({stages} stages in all)")
+    starts = parse_split(split_at)
+    if starts is not None:
+        cuts_from_names(names, starts, stages)
+    own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
+    if own:
+        raise ConfigError(f"the model holds tensors outside its units ({', '.join(own)}); a pipeline splits "
+                          "only models whose forward is their children in order")
+    return names
+
+
+def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str,
+                 resident: Any = None) -> Split:
+    """Check on ``sample`` that the model's forward is its units in order, then cut where ``split_at`` says,
+    or where the cost measured on ``sample`` is balanced (``auto``); the model and the RNG are left as they
+    were, so training is unchanged. ``resident``: see :func:`.measure` (a model made unit by unit)."""
+    names = check_split(model, stages, split_at)
+    starts = parse_split(split_at)
+    ms, same = measure(model, sample, timed=starts is None, resident=resident)
+    if not same:
+        raise ConfigError("the model's forward is not its units applied in order "
+                          f"({', '.join(names)}); a pipeline can split only such models")
+    cuts = cuts_from_names(names, starts, stages) if starts else balanced_cuts(ms, stages)
+    return _made(model, names, cuts, ms, "--split-at" if starts else "measured")
+
+
+def named_split(model: nn.Module, stages: int, split_at: str) -> Split:
+    """The split ``--split-at UNITS`` names, without running the model."""
+    names = check_split(model, stages, split_at)
+    cuts = cuts_from_names(names, parse_split(split_at), stages)
+    return _made(model, names, cuts, [0.0] * len(names), "--split-at")
+
+
+def _made(model: nn.Module, names: list[str], cuts: list[int], ms: list[float], how: str) -> Split:
+    params = tuple(sum(p.numel() for p in unit.parameters()) for _, unit in units(model))
+    return Split(tuple(names), tuple(cuts), params, tuple(ms), how)

@@ -33,13 +33,10 @@ on every rank (with a warning), and the other stages' tensors are emptied at the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from polytrain.data.batches import Batch
 from polytrain.distributed.layout import Layout
@@ -47,63 +44,26 @@ from polytrain.errors import ConfigError
 from polytrain.log import get_logger
 from polytrain.models import replay
 from polytrain.models.deferred import describe_whole_build, is_deferred
-from polytrain.models.parts import retie, unit_groups
-from polytrain.parallel.fsdp import shard_group
-from polytrain.options import option, register_section
 from polytrain.phases import phase
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.base import Strategy, check_batch
-from polytrain.strategies.registry import mesh_layout, register_strategy
-from polytrain.strategies.traits import Traits
-from polytrain.parallel.dtensor import average, full, like, local, rebuild_optimizer, squared_norm
+from polytrain.strategies.registry import register_strategy
+from polytrain.parallel.dtensor import local
 from polytrain.parallel.pp import plan, split, traced
+from polytrain.parallel.pp.config import HybridDeclared, PipelineConfig, PipelineDeclared
 from polytrain.parallel.pp.transport import check_transport
 from polytrain.parallel.pp.traced_run import TracedRun, chain_kind, must_trace
 from polytrain.parallel.pp.build import UnitMaker, release_unit
 from polytrain.parallel.pp.stages import TimedStage, chain_forward
+from polytrain.parallel.pp.replicas import StageReplicas, reshard
+from polytrain.parallel.pp.state import StageState
 from polytrain.strategies.step import StepResult, loss_divisor
 from polytrain.tasks import check_takes_labels
 from polytrain.parallel.tp import axis as tp_axis
 
 
-#: what --strategy pipeline is told of hybrid's deprecated mesh settings (strategies/settings.py)
-_MESH = ("{given}: hybrid's deprecated name of --dp-replicate, which --strategy {strategy} does not read; use "
-         "--dp-replicate (or --strategy hybrid)")
-
-
-#: the pipeline's stages where neither --pp nor --stages says
-DEFAULT_STAGES = 2
-
-
-@register_section("pipeline", "strategies pipeline and hybrid", order=74)
-@dataclass
-class PipelineConfig:
-    stages: int | None = option(None, "pipeline, hybrid: deprecated, the same as --pp P (one flag per degree)",
-                                minimum=2, metavar="P")
-    microbatches: int = option(4, "pipeline, hybrid: micro-batches per replica's batch (must divide it)",
-                               minimum=1, metavar="M")
-    schedule: str = option("1f1b", "pipeline, hybrid: the torch.distributed.pipelining schedule "
-                                   "(polytrain plan prints it)", choices=tuple(plan.SCHEDULES))
-    split_at: str = option("auto", "pipeline, hybrid: units that start stages 1.. (blocks.2,blocks.4), or "
-                                   "auto (balanced by each unit's measured forward+backward time)",
-                           metavar="UNITS|auto")
-    dp: int | None = option(None, "hybrid: deprecated, the same as --dp-replicate D (--dp-shard D with "
-                                  "--shard-dp)", minimum=1, strategies=("hybrid",), elsewhere=_MESH)
-    shard_dp: bool = option(False, "hybrid: deprecated: --dp-shard D shards each stage's parameters, gradients "
-                                   "and optimizer state over D ranks (what --dp D --shard-dp did)",
-                            strategies=("hybrid",))
-
-
 @register_strategy
-class Pipeline(TracedRun, Strategy):
-    name = "pipeline"
-    summary = "pipeline parallel: layers split into --stages processes, micro-batched (gpipe, 1f1b, ...)"
-    config_section = "pipeline"
-    # a model from any factory comes on the meta device (models/replay.py: _replay); --tp-plan: the plan of the
-    # tp axis of T ranks per stage (polytrain.parallel.tp.axis); --workers is not read: the processes are the
-    # stages (times the other degrees)
-    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills=None,
-                    cuts=("dp_shard", "pp", "tp"), degrees={"pp": DEFAULT_STAGES}, builds_part=True, reads=("tp",))
+class Pipeline(PipelineDeclared, StageReplicas, StageState, TracedRun, Strategy):
 
     def __init__(self, topology: Any, options: PipelineConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -111,10 +71,6 @@ class Pipeline(TracedRun, Strategy):
         super().__init__(topology, options, layout)
 
     # -- layout and checks before launch ------------------------------------------------------------
-
-    @classmethod
-    def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -149,7 +105,7 @@ class Pipeline(TracedRun, Strategy):
         if model is not None:
             stages, starts = pp * plan.schedule_info(opts.schedule).chunks, split.parse_split(opts.split_at)
             if chain_kind(model) and not must_trace(model, starts, config.train.loss):
-                check_split(model, stages, opts.split_at)
+                split.check_split(model, stages, opts.split_at)
             elif layout.axis("tp") > 1 and must_trace(model, starts, config.train.loss):
                 raise ConfigError(tp_axis.TRACED)  # (any other model is known to be a chain or not at its first step)
             elif starts is not None:  # cut by the tracer
@@ -194,7 +150,7 @@ class Pipeline(TracedRun, Strategy):
         self._loaded: dict[str, Any] | None = None
         starts = split.parse_split(opts.split_at)
         if self._maker is not None and starts is not None and not must_trace(self.model, starts, self.recipe.loss):
-            self._cut(_named_split(self.model, self.num_stages, opts.split_at))  # no sample needed
+            self._cut(split.named_split(self.model, self.num_stages, opts.split_at))  # no sample needed
         return self.model
 
     def _owner(self, stage: int) -> int:
@@ -215,32 +171,6 @@ class Pipeline(TracedRun, Strategy):
         if self._loaded is not None:
             loaded, self._loaded = self._loaded, None
             self._load_own(loaded)
-
-    def _shard(self) -> None:
-        """``--shard-dp``, at first use (after rank 0 has run the units whole to check the forward): each unit
-        of this rank's stages, then the stage, ``fully_shard``-ed over the dp axis. The parameters are kept
-        gathered from a step's first forward to its last backward (no gather per micro-batch); the stage's
-        gradient reduce-scatter waits for the last micro-batch (torch's ``PipelineStage`` turns the sync off
-        until then) and reshards. fully_shard replaces the Parameter objects, so the optimizer is built
-        again over the model's parameters, in ``single``'s order, and given the state it held (a resumed
-        checkpoint's), cut into this rank's shards."""
-        from torch.distributed.fsdp import fully_shard
-
-        assert self.optimizer is not None
-        mesh = self.topology.submesh("dp_replicate", "dp_shard")  # HSDP where there are replicas too
-        before = {s: dict(self.modules[s].named_parameters(remove_duplicate=False)) for s in self.mine}
-        for stage in self.mine:
-            module = self.modules[stage]
-            parts, ignored = self._stage_parts(stage) if self.is_traced else \
-                (list(zip(self.split.stage_units(stage), module)), set())
-            for group in unit_groups(parts):  # units sharing a tensor (tied weights): one shard group
-                shard_group([unit for _, unit in group], mesh, reshard_after_forward=False)
-            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
-        if self.is_traced:  # the traced stages' modules are not the model's: its names take their shards
-            self._adopt_shards(before)
-        self.owned = [p for s in self.mine for p in self.modules[s].parameters()]
-        self._stage_bytes = sum(p.numel() * p.element_size() for p in self.owned)
-        self.optimizer = rebuild_optimizer(self.model, self.optimizer, self._make_optimizer)
 
     def _ensure_stages(self, sample: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """At first use: the split chosen (``auto``) or the given one checked, on rank 0, and broadcast; then
@@ -300,7 +230,7 @@ class Pipeline(TracedRun, Strategy):
         if self._replay is None and not must_trace(self.model, split.parse_split(self.options.split_at), self.recipe.loss):
             resident = self._maker.resident if self._maker is not None else None
             try:
-                chosen = choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
+                chosen = split.choose_split(self.model, sample, self.num_stages, self.options.split_at, resident=resident)
                 return chosen if self.split is None else self.split
             except ConfigError as exc:
                 if traced_error is not None:
@@ -378,38 +308,6 @@ class Pipeline(TracedRun, Strategy):
         loss = torch.stack(losses).sum().detach() if self.num_stages - 1 in self.mine else None
         return StepResult(loss, len(batch))
 
-    def _average_over_replicas(self) -> None:
-        grads = [local(p.grad) for p in self.owned if p.grad is not None]  # (tp: each rank's part)
-        self.traffic.all_reduce(average(grads, self.topology.axis_group("dp"), self.replicas), self.replicas)
-
-    def _clip(self, max_norm: float) -> None:
-        """clip_grad_norm_ over all stages: the squared norms of each rank's gradients summed over pp (and over
-        dp, sharded: each replica holds 1/D of its stages' gradients)."""
-        more = (self.topology.axis_group("pp"),) if self.ranks > 1 else ()
-        if self.tp > 1 and self.sharded:  # over two meshes: each gradient's pieces summed over the axes it is cut
-            squared = squared_norm([p.grad for p in self.owned if p.grad is not None], self.topology.device)
-            for group in more:
-                dist.all_reduce(squared, group=group)
-            coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
-            for p in self.owned:
-                if p.grad is not None:
-                    local(p.grad).mul_(coef)
-            return None
-        if self.tp > 1:  # the split layers' squared norms summed over tp, the whole ones counted once
-            return tp_axis.clip_grads(self.owned, max_norm, self.topology.axis_group("tp"), more)
-        skip = self._counted_once()  # a tied tensor's gradient counted on one of its ranks
-        grads = [local(p.grad) for p in self.owned if p.grad is not None and id(p) not in skip]
-        norms = [torch.linalg.vector_norm(g, 2) for g in grads]
-        squared = (torch.stack(norms) ** 2).sum() if norms else torch.zeros((), device=self.topology.device)
-        if self.sharded:
-            dist.all_reduce(squared, group=self.topology.axis_group("dp_shard"))
-        if self.ranks > 1:
-            dist.all_reduce(squared, group=self.topology.axis_group("pp"))
-        coef = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
-        for p in self.owned:
-            if p.grad is not None:
-                local(p.grad).mul_(coef)
-
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         opts = self.options
@@ -422,14 +320,14 @@ class Pipeline(TracedRun, Strategy):
                 out = self._traced_eval(inputs, targets)
                 if self.sharded:  # gathered for the forward: back to this rank's shards
                     for module in self.modules.values():
-                        _reshard(module)
+                        reshard(module)
                 return None if out is None else torch.stack(
                     [v.to(self.topology.device).double() for v in self.recipe.task.score(out, targets)])
             out = chain_forward(self.modules, self.num_stages, self._owner, self.me, inputs,
                                 self.topology.axis_group("pp"))
             if self.sharded:  # gathered for the forward: back to this rank's shards
                 for module in self.modules.values():
-                    _reshard(module)
+                    reshard(module)
             if out is None or self.topology.axis_rank("tp") > 0:  # (tp: counted once per stage)
                 return None
             score = self.recipe.task.score(out, targets)
@@ -459,86 +357,6 @@ class Pipeline(TracedRun, Strategy):
             "pp_bubble_theoretical": round(float(theory), 4),
         }
 
-    # -- the whole model's state -------------------------------------------------------------------
-
-    def _mine(self, key: str) -> bool:
-        if self._owned_set is not None:  # traced: the stages' own names
-            return key in self._owned_set
-        return key.startswith(self._owned_keys)
-
-    def _whole_model(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state dict on the trainers' rank 0 (None elsewhere): each stage's tensors
-        gathered from the first replica. Collective."""
-        if self.split is None:  # not cut yet: a whole model is the same on every rank; a deferred one is unmade
-            if not self.trainers.is_main:
-                return None
-            if self._maker is None and self._replay is None:
-                return self.model.state_dict()
-            return dict(self._loaded["model"]) if self._loaded is not None else self._initial_state()
-        whole = self.model.state_dict()
-        mine = {k: full(v).detach().cpu() for k, v in whole.items() if self._mine(k)}  # (sharded: collective)
-        parts = self.trainers.all_gather_object(mine if self.topology.axis_rank("dp") == 0 else {})
-        if not self.trainers.is_main:
-            return None
-        for part in parts:
-            whole.update(part)
-        return retie(whole, self.model)
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        """This rank's optimizer state dict (indices the whole model's): the one loaded into a deferred model
-        not cut yet, which holds no state of its own."""
-        assert self.optimizer is not None
-        if self.split is None and (self._maker is not None or self._replay is not None) and self._loaded is not None:
-            return self._loaded["optimizer"]
-        state = self.optimizer.state_dict()
-        if not self.sharded and self.tp == 1:  # (tp: each split tensor's state gathered whole)
-            return state
-        whole = {i: {k: full(v).cpu() if isinstance(v, DTensor) else v for k, v in per.items()}
-                 for i, per in state["state"].items()}  # gathered over dp, in the same order on every replica
-        return {**state, "state": whole}
-
-    def state_dict(self, optimizer: bool = True) -> dict[str, Any] | None:
-        model = self._whole_model()
-        if not optimizer:
-            return None if model is None else {"model": model}
-        optimizer = self._optimizer_state()  # indices are the whole model's; each rank holds its stages'
-        states = self.trainers.all_gather_object(optimizer["state"] if self.topology.axis_rank("dp") == 0 else {})
-        if model is None:
-            return None
-        merged: dict[int, Any] = {}
-        for part in states:
-            merged.update(part)
-        return {"model": model, "optimizer": {**optimizer, "state": dict(sorted(merged.items()))}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load the whole model's state (every rank gets all of it): a rank takes its stages' tensors and
-        optimizer state; a deferred model not cut yet keeps the state until its stages are made."""
-        if self.split is not None:
-            self._load_own(state)
-        elif self._maker is not None or self._replay is not None:
-            self._loaded = state
-        else:
-            super().load_state_dict(state)
-
-    def _load_own(self, state: dict[str, Any]) -> None:
-        """This rank's stages' tensors and optimizer state from the whole model's ``state``."""
-        assert self.optimizer is not None
-        model = state["model"]
-        expected = set(self.model.state_dict())
-        if set(model) != expected:
-            missing, unexpected = sorted(expected - set(model)), sorted(set(model) - expected)
-            raise RuntimeError(f"loading the model's state: missing keys {missing}, unexpected keys {unexpected}")
-        live = self.model.state_dict()
-        self.model.load_state_dict({k: like(v, live[k]) for k, v in model.items() if self._mine(k)}, strict=False)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        owned = {id(p) for p in self.owned}
-        mine = {i for i, p in enumerate(params) if id(p) in owned}
-        optimizer = state["optimizer"]
-        own = {k: {key: like(value, params[int(k)]) if torch.is_tensor(value) and key != "step" else value
-                   for key, value in per.items()}
-               for k, per in optimizer["state"].items() if int(k) in mine}
-        self.optimizer.load_state_dict({**optimizer, "state": own})
-
     def describe(self) -> str:
         opts = self.options
         layout = f"{self.replicas} x " if self.replicas > 1 else ""
@@ -548,10 +366,7 @@ class Pipeline(TracedRun, Strategy):
 
 
 @register_strategy
-class Hybrid(Pipeline):
-    name = "hybrid"
-    summary = "data parallel x pipeline: --dp-replicate D replicas of a --pp P stage pipeline on a 2-D mesh"
-    traits = replace(Pipeline.traits, fills="dp_replicate")  # what --workers leaves besides the stages
+class Hybrid(HybridDeclared, Pipeline):
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
@@ -559,51 +374,3 @@ class Hybrid(Pipeline):
             raise ConfigError("--shard-dp with --dp 1 shards nothing (the one replica holds its stages whole "
                               "anyway); give --dp 2 or more, or drop --shard-dp")
         super().check(layout, config, model)
-
-
-def _reshard(module: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
-
-
-def check_split(model: nn.Module, stages: int, split_at: str) -> list[str]:
-    names = [name for name, _ in split.units(model)]
-    split.check_splittable(names, stages, f"--stages/--schedule ({stages} stages in all)")
-    starts = split.parse_split(split_at)
-    if starts is not None:
-        split.cuts_from_names(names, starts, stages)
-    own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
-    if own:
-        raise ConfigError(f"the model holds tensors outside its units ({', '.join(own)}); a pipeline splits "
-                          "only models whose forward is their children in order")
-    return names
-
-
-def choose_split(model: nn.Module, sample: torch.Tensor, stages: int, split_at: str,
-                 resident: Any = None) -> split.Split:
-    """Check on ``sample`` that the model's forward is its units in order, then cut where ``split_at`` says,
-    or where the cost measured on ``sample`` is balanced (``auto``); the model and the RNG are left as they
-    were, so training is unchanged. ``resident``: see :func:`.split.measure` (a model made unit by unit)."""
-    names = check_split(model, stages, split_at)
-    starts = split.parse_split(split_at)
-    ms, same = split.measure(model, sample, timed=starts is None, resident=resident)
-    if not same:
-        raise ConfigError("the model's forward is not its units applied in order "
-                          f"({', '.join(names)}); a pipeline can split only such models")
-    cuts = split.cuts_from_names(names, starts, stages) if starts else split.balanced_cuts(ms, stages)
-    return _split(model, names, cuts, ms, "--split-at" if starts else "measured")
-
-
-def _named_split(model: nn.Module, stages: int, split_at: str) -> split.Split:
-    """The split ``--split-at UNITS`` names, without running the model."""
-    names = check_split(model, stages, split_at)
-    cuts = split.cuts_from_names(names, split.parse_split(split_at), stages)
-    return _split(model, names, cuts, [0.0] * len(names), "--split-at")
-
-
-def _split(model: nn.Module, names: list[str], cuts: list[int], ms: list[float], how: str) -> split.Split:
-    params = tuple(sum(p.numel() for p in unit.parameters()) for _, unit in split.units(model))
-    return split.Split(tuple(names), tuple(cuts), params, tuple(ms), how)

@@ -35,19 +35,14 @@ from polytrain.models.parts import retie, tie_again, tied_groups
 from polytrain.precision import refuse_loss_scaling
 from polytrain.strategies.held import HeldState
 from polytrain.strategies.base import Strategy, check_batch
-from polytrain.strategies.registry import mesh_layout, register_strategy
-from polytrain.strategies.traits import Traits
+from polytrain.strategies.registry import register_strategy
 from polytrain.parallel.dtensor import average, is_split, load_whole, local, whole_state
-from polytrain.parallel.tp.config import TensorParallelConfig
+from polytrain.parallel.tp.config import TensorParallelConfig, TensorParallelDeclared
 from polytrain.parallel.tp.plan import TensorPlan, plan_for
 
 
 @register_strategy
-class TensorParallel(Strategy):
-    name = "tp"
-    summary = "tensor parallel: the plan's layers split over --tp ranks (DTensor), --workers / --tp replicas"
-    config_section = "tp"
-    traits = Traits(exchange="sync", meeting="gradients averaged every step", fills="tp", cuts=("tp",))
+class TensorParallel(TensorParallelDeclared, Strategy):
 
     def __init__(self, topology: Any, options: TensorParallelConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -56,10 +51,6 @@ class TensorParallel(Strategy):
         self.held_state = HeldState(self)  # a resume reads each rank's block of the split layers
         self.plan: TensorPlan | None = None
         self._max_norm: float | None = None
-
-    @classmethod
-    def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        return mesh_layout(cls, workers, options)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:

@@ -1,13 +1,22 @@
 """Asynchronous data parallel through parameter servers: the partition of the parameters, the staleness policy,
-the server, the client, and the ``async`` strategy built on them (:mod:`.strategy`, registered by :mod:`polytrain.strategies`).
-"""
+the server, the client, and the ``async`` strategy built on them (:mod:`.strategy`; its settings, light, in
+:mod:`.config`). The names below are imported on first use (PEP 562): the command line imports :mod:`.config`
+alone."""
 
-from polytrain.strategies.ps.book import ServerBook, UpdateRecord
-from polytrain.strategies.ps.client import ParameterClient
-from polytrain.strategies.ps.ranks import Ranks
-from polytrain.strategies.ps.partition import PartitionPlan, Piece, TensorSpec
-from polytrain.strategies.ps.server import ParameterServer
-from polytrain.strategies.ps.staleness import StalenessPolicy
+import importlib as _importlib
 
-__all__ = ["Ranks", "ParameterClient", "ParameterServer", "PartitionPlan", "Piece", "ServerBook",
-           "StalenessPolicy", "TensorSpec", "UpdateRecord"]
+_EXPORTS = {
+    "ServerBook": "book", "UpdateRecord": "book", "ParameterClient": "client", "Ranks": "ranks",
+    "PartitionPlan": "partition", "Piece": "partition", "TensorSpec": "partition", "ParameterServer": "server",
+    "StalenessPolicy": "staleness",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'polytrain.strategies.ps' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"polytrain.strategies.ps.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # once
+    return value

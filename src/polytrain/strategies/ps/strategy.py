@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,13 +48,12 @@ from polytrain.distributed.layout import Layout
 from polytrain.distributed.p2p import Channel
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
-from polytrain.options import option, register_section
 from polytrain.precision import refuse_loss_scaling
-from polytrain.strategies.base import DEFAULT_WORKERS, OptimizerFactory, Strategy
-from polytrain.strategies.registry import degrees_of, register_strategy, runner_for
-from polytrain.strategies.traits import Traits
+from polytrain.strategies.base import OptimizerFactory, Strategy
+from polytrain.strategies.registry import register_strategy
 from polytrain.strategies.ps.capabilities import HelperLoop, ServerLoop, Tickets
 from polytrain.strategies.ps.client import ParameterClient
+from polytrain.strategies.ps.config import AsyncConfig, AsyncDeclared
 from polytrain.strategies.ps.ranks import Ranks
 from polytrain.strategies.ps.partition import PartitionPlan
 from polytrain.strategies.ps.server import ParameterServer
@@ -64,28 +63,8 @@ from polytrain.strategies.ps.stats import StalenessWindow, staleness_summary
 from polytrain.strategies.step import RunSource, StepRecipe, StepResult, forward_backward
 
 
-@register_section("async", "strategy async (parameter servers)", order=71)
-@dataclass
-class AsyncConfig:
-    servers: int = option(1, "async: parameter server processes, started besides the --workers (ranks after "
-                             "theirs). --batch-size counts one step: N slices of batch/N examples, each computed "
-                             "by whichever worker is free and applied alone, scaled by 1/N; --steps counts "
-                             "such steps over all workers", minimum=1, metavar="S")
-    staleness: int | None = option(None, "async: no worker starts step c+K+1 before every worker finished step c "
-                                         "(0: bulk synchronous; leave out for fully asynchronous)", minimum=0,
-                                   metavar="K")
-    tolerate_worker_loss: bool = option(False, "async: go on without workers 1..N-1 if they die (their slices "
-                                               "go to the others); worker 0 alone logs, evaluates and saves, and "
-                                               "the servers must live")
-
-
 @register_strategy
-class AsyncParameterServer(Strategy):
-    name = "async"
-    summary = "asynchronous data parallel: parameter servers apply each worker's gradient as it arrives"
-    traits = Traits(exchange="async", meeting="through parameter servers: each worker pushes its gradients and "
-                                              "pulls the parameters")
-    config_section = "async"
+class AsyncParameterServer(AsyncDeclared, Strategy):
 
     def __init__(self, topology: Topology, options: AsyncConfig | None = None, layout: Layout | None = None):
         if not topology.distributed:
@@ -116,24 +95,6 @@ class AsyncParameterServer(Strategy):
         self._role = self.layout.role(topology.rank)
         if self._role != "server":
             self.out_of_order = Tickets(self)  # every worker draws whole batches; its tickets say which slice
-
-    # -- layout ---------------------------------------------------------------------------------------
-
-    @classmethod
-    def layout(cls, workers: int | None, options: Any = None) -> Layout:
-        """Workers first (ranks 0..N-1), then the servers. Each step is N slices, whoever computes them; the
-        workers meet only at the trainer's log points. With ``--tolerate-worker-loss`` worker 0 alone runs the
-        trainer's loop and workers 1..N-1 are helpers the job may lose."""
-        opts = options if options is not None else AsyncConfig()
-        runner_for(cls, degrees_of(cls, workers, options))  # whole replicas only: one line for a cut one
-        ranks = Ranks(workers or DEFAULT_WORKERS, opts.servers)
-        n = ranks.workers
-        tolerant = bool(opts.tolerate_worker_loss) and n > 1
-        roles = ["helper" if tolerant and 0 < rank < n else ranks.role(rank) for rank in range(ranks.world_size)]
-        trainers = roles.count("trainer")
-        return Layout(cls.name, tuple(roles), (("dp", trainers),), n,
-                      names=tuple(ranks.name(rank) for rank in range(ranks.world_size)),
-                      expendable=tuple(range(1, n)) if opts.tolerate_worker_loss else (), meets_every=0)
 
     @classmethod
     def check(cls, layout: Layout, config: Any, model: nn.Module | None) -> None:
