@@ -27,10 +27,11 @@ from polytrain.errors import ConfigError
 START_METHODS = ("forkserver", "spawn", "fork")
 
 
-#: what the forkserver imports once, so that no worker imports it again; and polytrain's own strategy modules
-#: that the launching process has imported (:func:`start_context`)
-_PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "polytrain.distributed.worker",
-            "polytrain.train.trainer"]
+#: what the forkserver imports once, so that no worker imports it again: torch._dynamo too (a torch optimizer
+#: imports it when the first one is made: 800 modules, seconds of CPU in every worker otherwise); and polytrain's
+#: own strategy modules that the launching process has imported (:func:`start_context`)
+_PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "torch._dynamo",
+            "polytrain.distributed.worker", "polytrain.train.trainer"]
 
 
 def start_context(job: Any = None) -> Any:
