@@ -153,6 +153,9 @@ def test_in_process_the_callers_limit_is_restored_after_the_run():
 
 
 def _the_callers_limit_is_restored() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a native crash under the tight limit (-11 once, in a whole-suite run) leaves its stack
     torch.set_num_threads(1)
     before = resource.getrlimit(resource.RLIMIT_DATA)
     common = dict(strategy="single", model="transformer_lm:layers=6,dim=256,heads=4", data="text:seq_len=32",
