@@ -158,6 +158,12 @@ def _the_callers_limit_is_restored() -> None:
     faulthandler.enable()  # a native crash under the tight limit (-11 once, in a whole-suite run) leaves its stack
     torch.set_num_threads(1)
     before = resource.getrlimit(resource.RLIMIT_DATA)
+    # first, before anything imported torch's compiler: the optimizer's first zero_grad imports it (68 MiB of
+    # module state); under the limit that import failed with "allocating a Python object", or crashed
+    assert "torch._dynamo" not in sys.modules
+    tiny = polytrain.fit(strategy="single", model="mlp:hidden=16", data="digits", steps=2, progress="off",
+                         memory_limit="10MiB")
+    assert tiny["steps"] == 2 and resource.getrlimit(resource.RLIMIT_DATA) == before
     common = dict(strategy="single", model="transformer_lm:layers=6,dim=256,heads=4", data="text:seq_len=32",
                   optimizer="adam", batch_size=8, steps=2, progress="off")
     with pytest.raises(MemoryLimitError, match=r"^\[rank 0\] out of memory under --memory-limit 46MiB per worker"):

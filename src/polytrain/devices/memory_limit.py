@@ -28,6 +28,7 @@ worker's error.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import mmap
 import re
 import resource
@@ -250,6 +251,10 @@ def _limit_data(applied: Applied) -> None:
         raise ConfigError(f"--memory-limit {applied.text} on the CPU needs Linux (its RLIMIT_DATA counts a "
                           f"process's private memory); on {sys.platform} use it with a GPU (--device cuda)")
     torch.zeros(1 << 20).add_(1).sum()  # start torch's CPU threads now: their stacks belong to the baseline
+    # torch imports its compiler lazily, at an optimizer's first zero_grad or step (torch._disable_dynamo): tens
+    # of MiB of module state and op tables whose native code crashes (SIGSEGV) rather than failing cleanly when
+    # an allocation is refused, so it is imported here, into the baseline (a spawned worker has it preloaded)
+    importlib.import_module("torch._dynamo")
     _warm_kernels()
     _cache_thread_stacks()
     # glibc keeps freed blocks below its threshold (32 MiB under --host-memory cache) in its heap, where they
