@@ -12,6 +12,16 @@ it). It prints how each ended, each rank's peak RSS (the run's summary; it inclu
 library code), whether the resumed model equals the uninterrupted one bit for bit (both written by
 ``--save-model DIR``, one tensor at a time), and whether the export's directory equals ``--save-model``'s.
 Exit status 1 when any of these fails. Half an hour on a loaded 2-core machine.
+
+``--hf`` does the same for a Hugging Face model that every run starts from with ``--init-from``: the script writes
+a transformers ``LlamaForCausalLM`` (rotary embeddings, grouped-query attention; ``--hf-config``) with
+``save_pretrained`` into a temporary directory (nothing is downloaded), and each run is ``--model hf:DIR
+--init-from DIR`` (the resumed one starts from its checkpoint). Its parameter bytes exceed ``--limit``, so no
+process can hold the whole model; the optimizer is plain SGD (Adam's two moments would be the whole model's bytes
+again on each of 4 ranks), with ``--activation-checkpointing full``. It also loads the exported directory with transformers' ``from_pretrained`` and
+checks that nothing is missing or unexpected::
+
+    python benchmarks/fsdp_memory_resume.py --hf                 # 230 MiB of parameters, --memory-limit 200MiB
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ import time
 from pathlib import Path
 
 MODEL = "transformer_lm:layers=8,dim=800,heads=8"
+#: --hf's Llama: 48 layers of 1.25 M parameters and a 256-token vocabulary (bytes): 230 MiB of float32 parameters
+#: (a rank holds a quarter of the parameters and of the gradients, a few units gathered, and some 60 MiB of other
+#: data: thread stacks, the process group's buffers, the data; the limit is below the parameters' bytes)
+HF_CONFIG = "layers=48,hidden=384,intermediate=768,heads=8,kv_heads=2"
 
 
 def _env() -> dict[str, str]:
@@ -35,8 +49,12 @@ def _env() -> dict[str, str]:
 
 
 def _train_args(args: argparse.Namespace) -> list[str]:
-    return ["--strategy", "fsdp", "--workers", "4", "--model", args.model, "--data", "text:seq_len=32",
-            "--batch-size", "8", "--optimizer", "adam", "--lr", "0.001", "--steps", str(args.steps),
+    hf = args.model.startswith("hf:")
+    # --hf: every run starts from the directory's weights; plain SGD, activations recomputed, a 1/200 test split
+    extra = ["--init-from", args.model[3:], "--momentum", "0", "--activation-checkpointing", "full"] if hf else []
+    data = "text:seq_len=32" + (",test_fraction=0.005" if hf else "")
+    return ["--strategy", "fsdp", "--workers", "4", "--model", args.model, *extra, "--data", data,
+            "--batch-size", "8", "--optimizer", args.optimizer, "--lr", args.lr, "--steps", str(args.steps),
             "--eval-every", "0", "--eval-batch-size", "16", "--memory-limit", args.limit, "--log-every", "1",
             "--progress", "off", "--timeout", "900", "--seed", "3"]
 
@@ -123,6 +141,33 @@ def _same_directory(a: Path, b: Path) -> tuple[bool, str]:
     return True, f"{len(left)} tensors equal"
 
 
+def _write_llama(directory: Path, spec: str) -> int:
+    """A transformers Llama of ``spec`` (``layers=…,hidden=…``) written with ``save_pretrained`` in shards,
+    its weights drawn from a fixed seed; returns its parameter bytes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {key: int(value) for key, value in (item.split("=") for item in spec.split(","))}
+    config = LlamaConfig(vocab_size=256, hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+                         num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"],
+                         num_key_value_heads=sizes["kv_heads"], max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory, max_shard_size="20MB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _loads_in_transformers(directory: Path) -> tuple[bool, str]:
+    """``from_pretrained`` of an exported directory: no missing or unexpected keys."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    wrong = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    return not wrong, f"{type(model).__name__}, {sum(p.numel() for p in model.parameters())} parameters" + (
+        f"; {wrong}" if wrong else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=MODEL, help="(a smaller one tries the script out)")
@@ -131,10 +176,27 @@ def main() -> int:
     parser.add_argument("--limit", default="600MiB", help="--memory-limit of every run")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds each run may take")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--hf", action="store_true", help="a transformers Llama written here, --model hf:DIR "
+                        "--init-from DIR (defaults then: --limit 200MiB, --optimizer sgd, --lr 0.05)")
+    parser.add_argument("--hf-config", default=HF_CONFIG, help="--hf's Llama (default %(default)s)")
+    parser.add_argument("--optimizer", help="adam (default), or sgd with --hf")
+    parser.add_argument("--lr", help="0.001 (default), or 0.05 with --hf")
     args = parser.parse_args()
+    args.optimizer = args.optimizer or ("sgd" if args.hf else "adam")
+    args.lr = args.lr or ("0.05" if args.hf else "0.001")
+    if args.hf and args.limit == parser.get_default("limit"):
+        args.limit = "200MiB"
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="fsdp-62m-") as tmp:
         tmp = Path(tmp)
-        results: dict = {"model": args.model, "limit": args.limit, "steps": args.steps}
+        results: dict = {}
+        if args.hf:
+            results["parameter_mib"] = round(_write_llama(tmp / "llama", args.hf_config) / 2**20, 1)
+            args.model = f"hf:{tmp / 'llama'}"
+            print(f"wrote a Llama of {args.hf_config}: {results['parameter_mib']} MiB of float32 parameters",
+                  flush=True)
+        results.update({"model": args.model, "limit": args.limit, "steps": args.steps,
+                        "optimizer": args.optimizer})
         # 1. never stopped
         code, err = _run("whole run", ["train", *_train_args(args), "--metrics-file", str(tmp / "whole.jsonl"),
                                           "--save-model", str(tmp / "whole")], args.timeout)
@@ -180,12 +242,18 @@ def main() -> int:
         results["export_exit"], results["export_peak_mib"] = code, round(peak, 1)
         results["export_equal"], results["export_detail"] = (_same_directory(tmp / "resumed", tmp / "exported")
                                                               if code == 0 else (False, err[-1000:]))
+        if args.hf and code == 0:
+            results["export_loads"], results["export_loads_detail"] = _loads_in_transformers(tmp / "exported")
+    load.append(os.getloadavg()[0])
+    results["load"] = [round(x, 1) for x in load]
     # every run and the export ran under RLIMIT_DATA = baseline + the limit (the kernel refuses an allocation past
     # it: the limit's one line, exit 2), so having ended as expected is being within it; peak RSS also counts the
     # baseline (interpreter, torch, process group: about 380 MiB of data) and resident library code
     results["within_limit"] = results["export_exit"] == 0  # (each run that failed stopped the script above)
-    print(f"\n{args.model}, fsdp --workers 4 --memory-limit {args.limit}, {args.steps} steps (Adam); each run under the "
-          f"kernel's RLIMIT_DATA = baseline + {args.limit} per process")
+    what = (f"Llama {args.hf_config} ({results['parameter_mib']} MiB of parameters), --init-from its directory"
+            if args.hf else args.model)
+    print(f"\n{what}, fsdp --workers 4 --memory-limit {args.limit}, {args.steps} steps ({args.optimizer}); each run "
+          f"under the kernel's RLIMIT_DATA = baseline + {args.limit} per process; load {load[0]:.1f} -> {load[1]:.1f}")
     print(f"{'run':<34}{'ended':<22}peak RSS per rank, MiB (baseline and libraries included)")
     for name, key, ended in (("never stopped", "whole_peak_mib", "exit 0"),
                              (f"SIGTERM once step {args.stop_after} was logged", "stopped_peak_mib",
@@ -199,9 +267,13 @@ def main() -> int:
           f"({results['bit_identical_detail']})")
     print(f"export ok (= --save-model, bit for bit): {'yes' if results['export_equal'] else 'no'} "
           f"({results['export_detail']})")
+    if args.hf:
+        print(f"export loads in transformers' from_pretrained, nothing missing or unexpected: "
+              f"{'yes' if results.get('export_loads') else 'no'} ({results.get('export_loads_detail', '-')})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    return 0 if results["within_limit"] and results["bit_identical"] and results["export_equal"] else 1
+    return 0 if results["within_limit"] and results["bit_identical"] and results["export_equal"] and \
+        results.get("export_loads", not args.hf) else 1
 
 
 if __name__ == "__main__":

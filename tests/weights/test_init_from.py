@@ -4,6 +4,7 @@ starts. (Runs that start from such weights: tests/weights/test_export.py, test_r
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 
@@ -13,6 +14,7 @@ import torch
 import polytrain
 from polytrain.config import make_config
 from polytrain.errors import ConfigError
+from polytrain.models.registry import model_modules
 from polytrain.train.checkpoint import load_checkpoint
 from polytrain.train.run import check
 from polytrain.weights.opening import open_weights
@@ -32,7 +34,7 @@ def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, lm_pa
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(llama).state_dict()
-    source = open_weights(llama)
+    source = open_weights(llama)  # (read from the files' bytes, never mapped: a mapping counts against a limit)
     assert len(list(llama.glob("model-*-of-*.safetensors"))) > 1  # several shards and their index
     assert {k: tuple(v[0]) for k, v in source.tensors().items()} == {k: tuple(v.shape) for k, v in reference.items()
                                                                      if "inv_freq" not in k}
@@ -45,6 +47,10 @@ def test_sources_read_any_block_of_a_tensor_from_every_kind_of_file(llama, lm_pa
         rows = slice(value.shape[0] // 2 - 1, value.shape[0]) if value.dim() else None
         assert torch.equal(from_parts.read(key, (rows,) if rows else None), value[rows] if rows else value), key
     torch.save(saved, tmp_path / "sd.pt")
+    # the transformers modules a worker imports before its --memory-limit counts (its baseline, as torch)
+    modules = model_modules(make_config(model=f"hf:{llama}"))
+    assert modules[-1] == "transformers.models.llama.modeling_llama" and all(importlib.util.find_spec(m)
+                                                                             for m in modules)
     assert torch.equal(open_weights(tmp_path / "sd.pt").read("head.out.weight"), saved["head.out.weight"])
 
 
@@ -60,6 +66,9 @@ def test_weights_that_cannot_be_used_are_one_line_before_anything_starts(llama, 
     (tmp_path / "empty" / "config.json").write_text("{}")
     refused(r"^--init-from .*empty: no \*\.safetensors file in this directory \(it holds config\.json\)",
             init_from=str(tmp_path / "empty"))
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    refused(r"^--init-from .*garbage\.safetensors: garbage\.safetensors is not a safetensors file polytrain can read",
+            init_from=str(tmp_path / "garbage.safetensors"))
     (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
     refused(r"^--init-from .*garbage\.pt: cannot be read as a state_dict \(", init_from=str(tmp_path / "garbage.pt"))
     torch.save([1, 2], tmp_path / "list.pt")

@@ -58,6 +58,18 @@ def return_large_blocks(threshold: int, why: str) -> bool:
     return True
 
 
+def trim_free_heap() -> bool:
+    """Give the pages of the C library's free heap memory back to the kernel (glibc's ``malloc_trim(0)``: free
+    memory anywhere in its heaps, not only at the top), so that what is allocated next shows in the resident
+    set as it is touched; False where malloc is not glibc's. The memory stays the heap's, to be reused."""
+    if _why_not_glibc():
+        return False
+    trim = ctypes.CDLL(None).malloc_trim
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def describe_host_memory() -> str:
     large = f"; {_state['large']}" if _state.get("large") else ""
     return _describe() + large

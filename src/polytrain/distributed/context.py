@@ -69,6 +69,7 @@ class Job:
     orderly_stop: bool = False  # stop signals ask for an orderly stop (ctx.stop) instead of their default
     layout: Layout | None = None
     memory_limit: str | None = None  # --memory-limit, applied in the worker (devices/memory_limit.py)
+    preload: tuple[str, ...] = ()  # modules imported before the memory limit is applied (its baseline)
     elastic: bool = False  # --on-failure continue: groups by membership generation (distributed/elastic.py)
     joining: bool = False  # a replacement for a lost worker, admitted by the others at a step boundary
 

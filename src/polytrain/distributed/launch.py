@@ -144,7 +144,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
            rank_names: Sequence[str] | None = None, heartbeat_timeout: float = 8.0,
            expendable: Sequence[int] = (), stop: StopSignal | None = None,
            layout: Layout | None = None, memory_limit: str | None = None, elastic: bool = False,
-           replacements: int = 0) -> list[Any]:
+           replacements: int = 0, preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(ctx, *args)`` in every worker; return the results in rank order.
 
     ``workers`` defaults to the count that ``device`` names (``cpu:4``: 4 workers; ``cuda:0,1``: 2), else 1;
@@ -169,7 +169,8 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     worker finds it as ``ctx.layout``.
 
     ``memory_limit``: ``--memory-limit`` (``"600MiB"``), applied in each worker, and in this process around
-    ``fn`` when it runs here (restored after): :mod:`polytrain.devices.memory_limit`.
+    ``fn`` when it runs here (restored after): :mod:`polytrain.devices.memory_limit`; the modules named in
+    ``preload`` are imported before it is, so that they count in the baseline.
 
     ``elastic`` (``--on-failure continue``): every worker's group is that of a membership that may shrink and
     grow (:mod:`polytrain.distributed.elastic`); the expendable ranks' deaths are marked in the store at once, and
@@ -198,7 +199,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
                                log=QUIET)
         if scheduler() is not None:  # srun / mpirun start every task with all the cores: share them as we would
             torch.set_num_threads(threads_per_worker or scheduler_threads())
-        with limited(memory_limit, local, int(os.environ["RANK"])):  # this process is the worker
+        with limited(memory_limit, local, int(os.environ["RANK"]), preload):  # this process is the worker
             return [join_torchrun(fn, args, device, backend, timeout, soft_placement, heartbeat_timeout,
                                    orderly_stop=stop is not None, layout=layout)]
     if getattr(mp.current_process(), "_inheriting", False):
@@ -208,14 +209,14 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int | str | None = None,
     if count == 1:
         set_host_memory(host_memory)
         return [_run_in_process(fn, args, device, threads_per_worker, log_all_ranks, soft_placement, stop, layout,
-                                memory_limit)]
+                                memory_limit, tuple(preload))]
     job = Job(fn, args, count, device, resolve_backend(backend, device, soft=soft_placement), timeout,
                threads_per_worker or max(1, available_cores() // count), 0, log_all_ranks, soft_placement,
                host_memory, heartbeat_timeout=heartbeat_timeout,
                rank_names=tuple(rank_names) if rank_names else None,
                expendable=_check_expendable(expendable, count, heartbeat_timeout, elastic),
                orderly_stop=stop is not None,
-               layout=layout, memory_limit=memory_limit, elastic=elastic)
+               layout=layout, memory_limit=memory_limit, elastic=elastic, preload=tuple(preload))
     return _spawn(job, master_port, rank_names, stop, replacements)
 
 
@@ -239,12 +240,13 @@ def _check_expendable(expendable: Sequence[int], world_size: int, heartbeat_time
 
 def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, threads: int | None,
                     log_all_ranks: bool, soft_placement: bool = False, stop: StopSignal | None = None,
-                    layout: Layout | None = None, memory_limit: str | None = None) -> Any:
+                    layout: Layout | None = None, memory_limit: str | None = None,
+                    preload: tuple[str, ...] = ()) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
     if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
         torch.set_num_threads(threads)
     topology = Topology(device=resolve_device(device, soft=soft_placement))
-    with limited(memory_limit, topology.device):  # this process's own limit again after the run
+    with limited(memory_limit, topology.device, 0, preload):  # this process's own limit again after the run
         return fn(WorkerContext(topology, stop if stop is not None else StopSignal(), layout), *args)
 
 

@@ -118,7 +118,7 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
         if membership is not None:
             membership.heartbeat_started()
 
-        apply_memory_limit(job.memory_limit, topology.device, rank)  # counted from here: docs/devices.md
+        apply_memory_limit(job.memory_limit, topology.device, rank, preload=job.preload)  # counted from here
         try:
             result = with_heartbeat(beat, job.fn, WorkerContext(topology, stop, job.layout, membership), *job.args)
         finally:

@@ -22,7 +22,7 @@ from polytrain.models.digits_cnn import digits_cnn
 from polytrain.models.mlp import mlp
 from polytrain.models.rnn_lm import rnn_lm
 from polytrain.models.transformer_lm import transformer_lm
-from polytrain.weights.hf import hf_factory, is_hf_spec
+from polytrain.weights.hf import hf_factory, hf_modules, is_hf_spec
 from polytrain.specs import call_with_accepted, check_accepted, is_import_path, load_factory, parse_spec
 
 ModelFactory = Callable[..., nn.Module]
@@ -119,6 +119,18 @@ class ModelConfig:
 def model_name(config: Any, data: Any) -> str:
     """The model a run trains: ``--model``, or the data's default for ``auto``."""
     return data.default_model if config.model.model == "auto" else config.model.model
+
+
+def model_modules(config: Any) -> list[str]:
+    """The modules that build the run's model and are not polytrain's: its factory's module
+    (``package.module:factory``) or a ``--model hf:DIR``'s transformers modules, for each worker to import
+    before its ``--memory-limit`` counts (:func:`polytrain.devices.memory_limit.apply_memory_limit`)."""
+    spec = config.model.model
+    if is_hf_spec(spec):
+        return hf_modules(spec)
+    if is_import_path(spec):
+        return [spec.partition(":")[0]]
+    return []
 
 
 def meta_build(name: str, args: dict[str, Any] | None, data: Any) -> nn.Module:

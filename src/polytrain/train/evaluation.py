@@ -12,7 +12,11 @@ batches, of training's micro-batch per worker and of 4 times that: what they nee
 the bytes an example takes and those that do not grow with the batch (an fsdp unit's gathered parameters); the
 batch is then as many examples as fit in 80 % of the room left under the limit, at least training's micro-batch
 (a training step of it, with its activations kept for backward, fitted), at most 256, the same on every rank
-(the smallest). Two batches' forward is what this costs, once per run.
+(the smallest). Before it measures, one batch of training's micro-batch is evaluated unmeasured (what a first
+forward makes once would otherwise count as that batch's), and on the CPU the C library's free heap is given back
+to the kernel before each measured batch (memory freed earlier, by a checkpoint's write, say, and still
+resident would be reused without showing: a checkpoint before the evaluation made the examples seem to cost
+nothing, and 256 at once passed the limit). Three batches' forward is what this costs, once per run.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class EvalBatchSize:
         if large > min(DEFAULT_EVAL_BATCH, self.per_worker):  # (no room to grow: training's batch)
             self.size = min(self.micro, DEFAULT_EVAL_BATCH)
             return self.size
+        probe(small)  # unmeasured: what a first forward makes once (lazily made buffers, caches) is not an example's
         needs = []
         for count in (small, large):
             with apart() as measured:

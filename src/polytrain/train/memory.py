@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from polytrain.devices.host_memory import trim_free_heap
+
 #: the steps (from the run's first) whose activations are measured; the first counts only in a run of one step:
 #: it also holds what is done once (a pipeline times its units on it). Every step of a run has the same shapes
 #: (but a bucketed language-model run's first steps may be shorter than its longest)
@@ -269,8 +271,13 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def apart(self) -> Iterator[Measured]:
-        """Measure the block's own peak above what is in use at its start (the run's peak so far is kept)."""
+        """Measure the block's own peak above what is in use at its start (the run's peak so far is kept). On
+        the CPU the free heap is given back first (:func:`~polytrain.devices.host_memory.trim_free_heap`): freed
+        memory still resident would be reused without growing the resident set, and the block would seem to
+        need nothing."""
         self._carried = max(self._carried, peak_bytes(self.device))
+        if self.device.type == "cpu":
+            trim_free_heap()
         start = current_bytes(self.device)
         reset_peak(self.device)
         measured = Measured()

@@ -22,7 +22,7 @@ from polytrain.distributed.launch import launch, resolve_backend, resolve_worker
 from polytrain.distributed.stop import StopSignal, signal_number
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.models.lm import check_lm_model
-from polytrain.models.registry import check_model
+from polytrain.models.registry import check_model, model_modules
 from polytrain.weights.start import check_weights
 from polytrain.precision import check_precision
 from polytrain.distributed.layout import Layout
@@ -146,6 +146,7 @@ def run(config: RunConfig, *, model: nn.Module | None = None, data: DataBundle |
         soft_placement=config.device.soft_placement, host_memory=config.launch.host_memory,
         heartbeat_timeout=config.launch.heartbeat_timeout, stop=stop, memory_limit=config.device.memory_limit,
         elastic=continuing(config), replacements=config.restart.max_restarts if continuing(config) else 0,
+        preload=model_modules(config) if config.device.memory_limit else (),
     )
     # under torchrun: this process's own; --on-failure continue: the last members' main rank's (the others: None)
     summary = next((r for r in results if r is not None), None) if continuing(config) else results[0]
@@ -161,8 +162,14 @@ def stopped_error(summary: dict[str, Any], signal: str | None = None) -> RunStop
     its summary's ``stopped`` record."""
     stopped = summary["stopped"]
     name, step, path = signal or stopped["signal"], stopped["step"], stopped["checkpoint"]
-    if path:
+    last = f"step {step}, the last (no final evaluation{'; ' if stopped.get('model') else ''}" \
+        f"{', '.join(stopped.get('model') or [])})"
+    if path and stopped.get("last"):
+        message = f"stopped by {name} after {last}; checkpoint {path}: the same command with --resume evaluates it"
+    elif path:
         message = f"stopped by {name} after step {step}; checkpoint {path}: the same command with --resume continues there"
+    elif stopped.get("model"):
+        message = f"stopped by {name} after {last}"
     elif not stopped["trained"]:
         message = f"stopped by {name} at step {step}, before this run trained a step; nothing was lost"
     else:

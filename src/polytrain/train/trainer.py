@@ -194,6 +194,8 @@ class Trainer:
                 self._checkpoint(done, periodic=True)
             elif self.snapshots is not None and snapshot_due(cfg, done, s.total_steps):
                 self._checkpoint(done, periodic=True, snapshot=True)
+        if self._stop_at_the_end():
+            return self._stopped(step, last_interval_loss, last_eval)
         saved = []  # the result first (train/evaluation.py): an evaluation that fails loses nothing
         if s.checkpointer:
             saved += self._checkpoint(step)
@@ -226,6 +228,12 @@ class Trainer:
         target = self.stopping.stop_step(done, self._ends_with_collective, self.session.total_steps)
         return target is not None and done >= target
 
+    def _stop_at_the_end(self) -> bool:
+        """After the last step: whether any trainer rank was asked to stop by then (one all-reduce, so that all
+        agree): a stop that lands on the last step ends as a stop does, without the final evaluation."""
+        asked = torch.tensor([0.0 if self.stop.requested is None else 1.0], device=self.topology.device)
+        return self.topology.all_reduce_sum(asked).item() > 0
+
     def _ends_with_collective(self, step: int) -> bool:
         """Whether every trainer rank takes part in a collective within step ``step``: the strategy's own
         (sync's all-reduce, a pipeline step, an averaging step) or a log point's."""
@@ -234,20 +242,21 @@ class Trainer:
     def _stopped(self, step: int, train_loss: float | None,
                  last_eval: tuple[float, float | None] | None) -> dict[str, Any]:
         """End the run at ``step`` after a stop request: a checkpoint there (if the run has a directory), no
-        evaluation, no saved model; the summary's ``stopped`` says where it can resume."""
+        evaluation, no saved model but at the last step; the summary's ``stopped`` says where it can resume."""
         s, name = self.session, self.stop.requested
-        path = None
+        path, last = None, step == s.total_steps  # (at the last step every step is trained: --save-model too)
         if s.checkpointer and step > s.start_step:  # (nothing trained by this run: its start is what it had)
             self._checkpoint(step)
             written = s.checkpointer.latest() if self.topology.is_main else None  # (not with a write error warned)
             path = str(written) if written == s.checkpointer.path(step) else None
-        elif self.topology.is_main and step > s.start_step:
+        model = self._save_model() if last and step > s.start_step else []
+        if not s.checkpointer and not model and self.topology.is_main and step > s.start_step:
             s.log.warning(f"{name}: stopped after step {step} without --checkpoint-dir: the "
                           f"{step - s.start_step} step(s) trained are not saved (give --checkpoint-dir DIR to make "
                           "a stopped run resumable)")
         summary = outputs.summary(self, step, train_loss, last_eval)
         summary["stopped"] = {"signal": name, "step": step, "checkpoint": path, "trained": step - s.start_step,
-                              **self.stopping.record()}
+                              "last": last, "model": model, **self.stopping.record()}
         return summary
 
     def _checkpoint_due(self, done: int) -> bool:

@@ -40,6 +40,20 @@ def hf_directory(spec: str) -> Path:
     return directory
 
 
+def hf_modules(spec: str) -> list[str]:
+    """The transformers modules that build ``hf:DIR``'s model (its architecture's ``modeling_*`` module by the
+    config's ``model_type``), for a worker to import before its ``--memory-limit`` counts (their data is
+    library code, as torch's is); [] where the config does not say."""
+    import json
+
+    try:
+        kind = json.loads((Path(spec[len(PREFIX):]).expanduser() / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    kind = str(kind).replace("-", "_")
+    return ["transformers", "transformers.modeling_utils", f"transformers.models.{kind}.modeling_{kind}"]
+
+
 def transformers_module() -> Any:
     try:
         import transformers
