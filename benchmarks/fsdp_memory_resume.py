@@ -21,7 +21,7 @@ process can hold the whole model; the optimizer is plain SGD (Adam's two moments
 again on each of 4 ranks), with ``--activation-checkpointing full``. It also loads the exported directory with transformers' ``from_pretrained`` and
 checks that nothing is missing or unexpected::
 
-    python benchmarks/fsdp_memory_resume.py --hf                 # 230 MiB of parameters, --memory-limit 200MiB
+    python benchmarks/fsdp_memory_resume.py --hf                 # 230 MiB of parameters, --memory-limit 224MiB
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds each run may take")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--hf", action="store_true", help="a transformers Llama written here, --model hf:DIR "
-                        "--init-from DIR (defaults then: --limit 200MiB, --optimizer sgd, --lr 0.05)")
+                        "--init-from DIR (defaults then: --limit 224MiB, --optimizer sgd, --lr 0.05)")
     parser.add_argument("--hf-config", default=HF_CONFIG, help="--hf's Llama (default %(default)s)")
     parser.add_argument("--optimizer", help="adam (default), or sgd with --hf")
     parser.add_argument("--lr", help="0.001 (default), or 0.05 with --hf")
@@ -185,7 +185,7 @@ def main() -> int:
     args.optimizer = args.optimizer or ("sgd" if args.hf else "adam")
     args.lr = args.lr or ("0.05" if args.hf else "0.001")
     if args.hf and args.limit == parser.get_default("limit"):
-        args.limit = "200MiB"
+        args.limit = "224MiB"
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="fsdp-62m-") as tmp:
         tmp = Path(tmp)
