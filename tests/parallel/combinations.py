@@ -1,5 +1,6 @@
 """The parity matrix of degrees: each combination trains ``transformer_lm`` 8 steps with SGD and momentum (and
-clipping) and must end where ``single`` ends on the whole batch. :mod:`.test_combinations` runs a subset in the
+clipping) and must end where ``single`` ends on the whole batch; so does a tiny transformers Llama (rotary
+embeddings, grouped-query attention; split by its own ``base_model_tp_plan``) where a degree applies to it. :mod:`.test_combinations` runs a subset in the
 suite, :mod:`.test_matrix` all of them (``POLYTRAIN_MATRIX=1``), reporting the largest difference of each."""
 
 from __future__ import annotations
@@ -30,15 +31,26 @@ CASES: dict[str, dict[str, Any]] = {
     "local_sgd_over_dp_shard2": dict(strategy="local-sgd", workers=4, dp_shard=2, sync_every=1,
                                      clip_grad_norm=None),
     "pp2_tp2": dict(strategy="pipeline", pp=2, tp=2, microbatches=2, split_at="blocks.1"),
+    # a split point inside a block: the tracer cuts the model, and the plan splits the stages' graph modules
+    "pp2_tp2_traced": dict(strategy="pipeline", pp=2, tp=2, microbatches=2, split_at="blocks.1.attn"),
+    "pp2_dp_shard2_tp2_traced": dict(strategy="sync", workers=8, pp=2, dp_shard=2, tp=2, microbatches=2,
+                                     split_at="blocks.1.attn"),
     "pp2_dp_shard2_tp2": dict(strategy="sync", workers=8, pp=2, dp_shard=2, tp=2, microbatches=2,
                               split_at="blocks.1"),
     "pp2_hsdp": dict(strategy="hybrid", workers=8, pp=2, dp_replicate=2, dp_shard=2, microbatches=2,
                      split_at="blocks.1"),
 }
+#: a tiny transformers LlamaForCausalLM (4 heads, 2 key/value heads, width 32, 2 layers: tests/helpers/zoo.py)
+LLAMA = dict(model="tests.helpers.zoo:llama")
+CASES.update({
+    "llama_dp_shard2_tp2": dict(**CASES["dp_shard2_tp2"], **LLAMA),
+    "llama_hsdp": dict(**CASES["hsdp"], **LLAMA),
+})
 #: the layouts a checkpoint must move between bit for bit (each saves at step 4, each other resumes it)
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp_shard2_tp2": CASES["dp_shard2_tp2"],
     "pp2_tp2": CASES["pp2_tp2"],
+    "pp2_tp2_traced": CASES["pp2_tp2_traced"],
     "single": dict(strategy="single"),
     "sync4": dict(strategy="sync", workers=4),
 }
@@ -46,7 +58,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 def reference(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings of the ``single`` run a combination must equal: its clipping and accumulation."""
-    return dict(strategy="single", **{k: settings[k] for k in ("clip_grad_norm", "accumulate") if k in settings})
+    return dict(strategy="single", **{k: settings[k] for k in ("clip_grad_norm", "accumulate", "model") if k in settings})
 
 
 def processes(settings: dict[str, Any]) -> int:
@@ -98,15 +110,21 @@ def skip_lm(input_shape: tuple[int, ...] = (16,), num_classes: int = 256) -> nn.
 def moved(tmp: Path, source: dict[str, Any], target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A run of ``source`` to step 4 with a checkpoint, resumed by ``target``: (what the target holds before its
     first step, the checkpoint it resumed)."""
+    ckpt = tmp / "ck"
+    polytrain.fit(**{**COMMON, **source, "steps": 4}, checkpoint_dir=str(ckpt))
+    return resumed(ckpt, 4, target)
+
+
+def resumed(ckpt: Path, step: int, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint of step ``step`` in ``ckpt`` resumed by a run of ``target`` (with ``COMMON``): (what the
+    target holds before its first step, the checkpoint)."""
     from polytrain.config import make_config
     from polytrain.train.checkpoint import load_checkpoint
     from tests.helpers.resume import resume_and_read_back
     from tests.helpers.spawn import spawn
 
-    ckpt = tmp / "ck"
-    polytrain.fit(**{**COMMON, **source, "steps": 4}, checkpoint_dir=str(ckpt))
-    saved = load_checkpoint(ckpt / "step-00000004.pt")
-    config = make_config(**{**COMMON, **target, "steps": 6}, checkpoint_dir=str(ckpt), resume=True)
+    saved = load_checkpoint(ckpt / f"step-{step:08d}.pt")
+    config = make_config(**{**COMMON, **target, "steps": step + 2}, checkpoint_dir=str(ckpt), resume=True)
     n = processes(target)
     held, _ = (spawn(resume_and_read_back, n, config) if n > 1 else
                polytrain.launch(resume_and_read_back, config, workers=1))[0]

@@ -106,8 +106,6 @@ class Pipeline(PipelineDeclared, StageReplicas, StageState, TracedRun, Strategy)
             stages, starts = pp * plan.schedule_info(opts.schedule).chunks, split.parse_split(opts.split_at)
             if chain_kind(model) and not must_trace(model, starts, config.train.loss):
                 split.check_split(model, stages, opts.split_at)
-            elif layout.axis("tp") > 1 and must_trace(model, starts, config.train.loss):
-                raise ConfigError(tp_axis.TRACED)  # (any other model is known to be a chain or not at its first step)
             elif starts is not None:  # cut by the tracer
                 traced.check_starts(model, starts, stages)
 

@@ -13,18 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from polytrain.errors import ConfigError
+from polytrain.parallel.tp.graph import split_graph
 from polytrain.parallel.tp.plan import plan_for
 from polytrain.parallel.dtensor import rebuild_optimizer
 from polytrain.parallel.tp.strategy import check_tp, clip_grads, split_layers
 
-__all__ = ["TRACED", "check_axis", "clip_grads", "split_stages"]
-
-#: what torch cannot do: its tensor-parallel styles take nn.Linear and nn.Embedding modules, and the tracer's stages
-#: hold the model's layers as graph modules (ColwiseParallel raises NotImplementedError on them)
-TRACED = ("--tp with a model the tracer cuts into stages: torch's tensor-parallel styles (ColwiseParallel, "
-          "RowwiseParallel) split nn.Linear and nn.Embedding modules, and a traced stage holds the model's layers as "
-          "graph modules; use --tp with a model whose forward is its units in order (transformer_lm), or drop --tp")
+__all__ = ["check_axis", "clip_grads", "split_stages"]
 
 
 def check_axis(layout: Any, config: Any, model: nn.Module | None) -> None:
@@ -39,14 +33,20 @@ def check_axis(layout: Any, config: Any, model: nn.Module | None) -> None:
 def split_stages(strategy: Any) -> None:
     """This rank's stages' layers split over the tp axis of ``strategy`` (a pipeline whose stages are made);
     the split replaces their Parameter objects, so the optimizer is built again over the model's parameters,
-    in ``single``'s order, with the state it held (a resumed checkpoint's) cut into this rank's parts."""
+    in ``single``'s order, with the state it held (a resumed checkpoint's) cut into this rank's parts. A traced
+    stage's layers are graph modules (:mod:`.graph`); the model's names then take their split parameters."""
     from polytrain.parallel.pp import split as pipeline_split
 
-    if strategy.is_traced:
-        raise ConfigError(TRACED)
     plan = plan_for(strategy.model, strategy.options.tp_plan)
-    parts = dict(pipeline_split.units(strategy.model))
-    names = [name for stage in strategy.mine for name in strategy.split.stage_units(stage)]
-    split_layers([(name, parts[name]) for name in names], plan, strategy.topology.mesh["tp"])
+    mesh = strategy.topology.mesh["tp"]
+    if strategy.is_traced:
+        before = {s: dict(strategy.modules[s].named_parameters(remove_duplicate=False)) for s in strategy.mine}
+        for stage in strategy.mine:
+            split_graph(strategy.modules[stage], plan, mesh, strategy.model)
+        strategy._adopt_shards(before)
+    else:
+        parts = dict(pipeline_split.units(strategy.model))
+        names = [name for stage in strategy.mine for name in strategy.split.stage_units(stage)]
+        split_layers([(name, parts[name]) for name in names], plan, mesh)
     strategy.owned = [p for s in strategy.mine for p in strategy.modules[s].parameters()]
     strategy.optimizer = rebuild_optimizer(strategy.model, strategy.optimizer, strategy._make_optimizer)
