@@ -105,6 +105,22 @@ def test_tp_layouts_and_settings_refused_before_launch():
         TensorParallel(Topology())
 
 
+def test_a_factory_that_loads_weights_for_the_data_and_has_no_plan_is_refused_before_launch(tmp_path, capsys):
+    """nanoGPT's shape, its weights loaded by its factory (a vocabulary of 256: it cannot be built for a
+    placeholder shape), built on the meta device for the data's shape before launch: refused there, in one line
+    with no rank (the workers' own check is the backstop: tests/weights/test_loaded_matrix.py)."""
+    from polytrain.cli.main import main
+    from tests.helpers import zoo
+
+    state = zoo.write_state(tmp_path / "nanogpt.pt", seed=4)
+    assert main(["train", "--strategy", "tp", "--workers", "2", "--tp", "2", "--model", "tests.helpers.zoo:nanogpt",
+                 "--model-arg", f"path={state}", "--data", "text:seq_len=16", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["polytrain: error: --tp: --model tests.helpers.zoo:nanogpt has no tensor-parallel "
+                                "plan; give one with --tp-plan FILE.toml (module name = \"colwise\" or \"rowwise\"; "
+                                "see docs/tensor-parallel.md)"], err
+
+
 def test_a_transformers_model_brings_its_own_plan_and_gpt2s_layers_are_refused_in_one_line():
     """transformers' plan (config.base_model_tp_plan and the class's _tp_plan) read for --tp-plan auto; GPT-2 has
     none and its Conv1D layers cannot be split; a tied embedding and output layer split alike or refused."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import shutil
 import sys
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -28,6 +27,7 @@ from polytrain.data import documents
 from polytrain.data.documents import Chunk
 from polytrain.data.token_meta import DTYPES, smallest_dtype, write_meta
 from polytrain.data.tokenizer import cached_tokenizer, load_tokenizer
+from polytrain.environ import environment
 from polytrain.errors import ConfigError
 
 _BATCH = 1024  # documents handed to the tokenizer at once
@@ -133,9 +133,8 @@ def _prepare_parts(parts: Path, key: str) -> None:
 
 def _run_pool(jobs: list[tuple[Any, ...]], workers: int, cut: list[Chunk], done_bytes: int, total: int,
               progress: Callable[[int, int], None] | None) -> int:
-    env_before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the processes are the parallelism
-    try:
+    # one thread a process: the processes are the parallelism
+    with environment({"TOKENIZERS_PARALLELISM": "false"}):
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             pending = {pool.submit(_job, job) for job in jobs}
             while pending:
@@ -148,11 +147,6 @@ def _run_pool(jobs: list[tuple[Any, ...]], workers: int, cut: list[Chunk], done_
                     done_bytes += cut[future.result()[0]].size
                     if progress is not None:
                         progress(done_bytes, total)
-    finally:
-        if env_before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = env_before
     return done_bytes
 
 

@@ -50,6 +50,7 @@ from polytrain.distributed.supervisor import stop_all, supervise
 from polytrain.distributed.topology import Topology
 from polytrain.distributed.torchrun import check_torchrun_expendable, join_torchrun, under_torchrun
 from polytrain.distributed.worker import worker_main
+from polytrain.environ import environment
 from polytrain.errors import ConfigError, RunStopped
 from polytrain.log import get_logger, setup_logging
 from polytrain.options import option, register_section
@@ -361,14 +362,6 @@ def _worker_environment(threads: int) -> Iterator[None]:
     values = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         values["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    with environment(values):
         yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 

@@ -6,9 +6,11 @@ A factory is called with the keyword arguments it accepts among ``input_shape`` 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -121,20 +123,36 @@ def model_name(config: Any, data: Any) -> str:
 
 def meta_build(name: str, args: dict[str, Any] | None, data: Any) -> nn.Module:
     """The model ``name`` (with ``args``) for ``data``'s input shape and outputs, built on the meta device (no
-    memory); raises what the factory raises there (one that computes with its tensors' values)."""
-    import torch
-
-    with torch.device("meta"):
+    memory); raises what the factory raises there (one that computes with its tensors' values). torch's
+    warnings about loads that do nothing on the meta device (``load_state_dict`` of a file) are not shown."""
+    with _on_meta():
         return build_model(name, args, input_shape=data.input_shape, num_classes=data.num_outputs)
 
 
-def meta_model(config: Any) -> nn.Module | None:
-    """``config``'s model built on the meta device (no memory), for the checks before launch; None where the
-    factory needs the data's real shape (the workers check it then)."""
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """Build on the meta device, without torch's warnings that a load does nothing there."""
     import torch
 
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*meta parameter.*no-op")
+        yield
+
+
+def meta_model(config: Any, *, with_data: bool = False) -> nn.Module | None:
+    """``config``'s model built on the meta device (no memory), for the checks before launch; None where the
+    factory needs the data's real shape (the workers check it then). ``with_data``: such a factory (one that
+    loads weights sized for the data's vocabulary, say) is built for the data's shape instead, the data built
+    here for it; None still where it cannot be built on the meta device at all."""
     try:
-        with torch.device("meta"):
+        with _on_meta():
             return build_model(config.model.model, config.model.model_args, input_shape=(16,), num_classes=2)
     except Exception:  # noqa: BLE001 - the factory needs the data's real shape: the workers check it
+        if not with_data:
+            return None
+    from polytrain.data.registry import data_of
+
+    try:
+        return meta_build(config.model.model, config.model.model_args, data_of(config))
+    except Exception:  # noqa: BLE001 - data or a factory that needs real memory: the workers check it
         return None

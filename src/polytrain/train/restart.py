@@ -23,6 +23,7 @@ The workers' side (time-based checkpoints, the injected kill of the tests) is :m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -38,6 +39,7 @@ from polytrain.distributed.cluster import adopt, on_failure, scheduler, slurm_re
 from polytrain.distributed.launch import under_torchrun
 from polytrain.train.requeue import check_scheduler_restarts, requeue_after_failure
 from polytrain.distributed.stop import StopSignal
+from polytrain.environ import environment
 from polytrain.errors import CommunicationError, ConfigError, WorkerError
 from polytrain.log import get_logger
 from polytrain.train.checkpoint import Checkpointer
@@ -196,20 +198,8 @@ def _append_metrics(path: str | None, record: dict[str, Any]) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-class _attempt_env:
+def _attempt_env(count: int) -> contextlib.AbstractContextManager[None]:
     """``POLYTRAIN_RESTART_COUNT`` for the workers of one attempt (they inherit the launcher's environment)."""
-
-    def __init__(self, count: int):
-        self.count = count
-
-    def __enter__(self) -> None:
-        self.saved = os.environ.get(ATTEMPT_ENV)
-        os.environ[ATTEMPT_ENV] = str(self.count)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.saved is None:
-            os.environ.pop(ATTEMPT_ENV, None)
-        else:
-            os.environ[ATTEMPT_ENV] = self.saved
+    return environment({ATTEMPT_ENV: str(count)})
 
 

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from polytrain.environ import environment
 from polytrain.errors import ConfigError
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.on_failure import continuing
@@ -58,15 +59,10 @@ def snapshot_space(config: Any) -> Iterator[Path | None]:
         return
     base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
     directory = Path(tempfile.mkdtemp(prefix="polytrain-snapshot-", dir=base))
-    saved = os.environ.get(SNAPSHOT_ENV)
-    os.environ[SNAPSHOT_ENV] = str(directory)
     try:
-        yield directory
+        with environment({SNAPSHOT_ENV: str(directory)}):
+            yield directory
     finally:
-        if saved is None:
-            os.environ.pop(SNAPSHOT_ENV, None)
-        else:
-            os.environ[SNAPSHOT_ENV] = saved
         shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -14,6 +14,8 @@ import os
 import time
 from typing import Iterator
 
+from polytrain.environ import environment
+
 ENV = "POLYTRAIN_STARTED_AT"
 
 
@@ -49,12 +51,5 @@ def run_environment() -> Iterator[None]:
     suite) has its own environment back afterwards, and a later child process inherits none of it."""
     from polytrain.distributed.hangs import RUN_DIR_ENV
 
-    before = {name: os.environ.get(name) for name in (ENV, RUN_DIR_ENV)}
-    try:
+    with environment(restore=(ENV, RUN_DIR_ENV)):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

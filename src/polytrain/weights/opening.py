@@ -50,7 +50,7 @@ def open_weights(path: str | Path, where: str | None = None) -> Source:
             return checkpoint_weights(found, where)
         return hf_weights(found, where)
     if found.suffix == ".safetensors":
-        return _safetensors([found], where)
+        return SafetensorsSource.of_files([found], where)
     try:
         loaded = load_mapped(found)
     except Exception as exc:  # noqa: BLE001 - not a torch file, or one that needs pickled code: say what torch said
@@ -84,17 +84,7 @@ def hf_weights(directory: Path, where: str) -> Source:
             if (directory / "pytorch_model.bin").exists() else ""
         raise ConfigError(f"{where}: no *.safetensors file in this directory{bins} (it holds "
                           f"{', '.join(found) or 'nothing'}); {ACCEPTED}")
-    return _safetensors(files, where)
-
-
-def _safetensors(files: list[Path], where: str) -> Source:
-    try:
-        return SafetensorsSource.of_files(files, where)
-    except ImportError:
-        raise ConfigError(f"{where}: reading safetensors needs the safetensors package: "
-                          "pip install 'polytrain[safetensors]'") from None
-    except Exception as exc:  # noqa: BLE001 - a damaged file: what safetensors said
-        raise ConfigError(f"{where}: cannot be read as safetensors ({exc})") from None
+    return SafetensorsSource.of_files(files, where)
 
 
 def checkpoint_weights(directory: Path, where: str) -> Source:

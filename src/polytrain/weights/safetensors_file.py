@@ -40,6 +40,22 @@ class Entry:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
+def read_header(path: str | Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's header, read without mapping the file: each tensor's entry (``dtype``, ``shape``,
+    ``data_offsets``) by name, and where its data begins; ValueError for a file that is not one."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        text = f.read(length)
+    if len(text) != length:
+        raise ValueError("its header is cut short")
+    header = json.loads(text)
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
 def shard_name(k: int, n: int) -> str:
     """Hugging Face's name of shard ``k`` (1-based) of ``n``."""
     return f"model-{k:05d}-of-{n:05d}.safetensors"

@@ -2,7 +2,7 @@
 those bytes, never the whole file.
 
 * :class:`SafetensorsSource`: one or many ``*.safetensors`` files (a Hugging Face model directory with its
-  ``model.safetensors.index.json``, or one file), read with ``safe_open(...).get_slice`` (a read-only mapping).
+  ``model.safetensors.index.json``, or one file), each region read from the file's bytes (``os.preadv``).
 * :class:`MappedSource`: tensors of a ``torch.save`` file (a ``state_dict``, a polytrain checkpoint), loaded
   with ``torch.load(mmap=True, weights_only=True)`` on a shared, read-only use of the mapping: the pages of the
   rows read are all that is paged in, and a shared file mapping is not private memory, so it does not count
@@ -17,12 +17,14 @@ those bytes, never the whole file.
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from polytrain.errors import ConfigError
+from polytrain.weights.safetensors_file import read_header
 
 Region = "tuple[slice, ...] | None"  # one slice per dimension; None: the whole tensor
 
@@ -57,50 +59,60 @@ class Source:
 
 
 class SafetensorsSource(Source):
-    """Tensors of ``*.safetensors`` files, ``files`` mapping each tensor's name to the file holding it."""
+    """Tensors of ``*.safetensors`` files, ``files`` mapping each tensor's name to the file holding it. Each
+    file's header is read once; a region is read with ``os.preadv`` of the bytes of the rows that hold it (a
+    tensor's rows are consecutive in the file), never a mapping of the file: a mapping of the whole file (as
+    ``safe_open`` makes it, copy-on-write) counts the file's size against ``--memory-limit`` while it is open."""
 
     def __init__(self, files: Mapping[str, Path], where: str):
-        self.where, self._files, self._open = where, dict(files), {}
-        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.where, self._files = where, dict(files)
+        self._entries: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}  # shape, dtype, file offset
         for path in sorted(set(self._files.values())):
-            handle = self._handle(path)
-            for name in handle.keys():
+            for name, (shape, dtype, offset) in _entries(path, where).items():
                 if self._files.get(name) == path:
-                    piece = handle.get_slice(name)
-                    self._shapes[name] = (tuple(piece.get_shape()), SAFETENSORS_DTYPES[piece.get_dtype()])
-        absent = [name for name in self._files if name not in self._shapes]
+                    self._entries[name] = (shape, dtype, offset)
+        absent = [name for name in self._files if name not in self._entries]
         if absent:
             raise ConfigError(f"{where}: {INDEX} places {', '.join(absent[:3])} in files that do not hold "
                               f"{'it' if len(absent) == 1 else 'them'}; copy the whole model directory")
 
     @classmethod
     def of_files(cls, paths: Iterable[Path], where: str) -> "SafetensorsSource":
-        from safetensors import safe_open
-
-        files = {}
-        for path in paths:
-            with safe_open(str(path), framework="pt") as handle:
-                files.update({name: path for name in handle.keys()})
-        return cls(files, where)
+        return cls({name: path for path in paths for name in _entries(path, where)}, where)
 
     def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return dict(self._shapes)
+        return {name: (shape, dtype) for name, (shape, dtype, _) in self._entries.items()}
 
     def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        handle = self._handle(self._files[name])
-        if region is None or not self._shapes[name][0]:
-            return self._count(handle.get_tensor(name))
-        return self._count(handle.get_slice(name)[region].contiguous())
+        shape, dtype, offset = self._entries[name]
+        rows = range(shape[0])[region[0]] if region and shape else None
+        low, high = (rows.start, max(rows.start, rows.stop)) if rows is not None and rows.step == 1 else \
+            (0, shape[0] if shape else 1)
+        per_row = torch.Size(shape[1:]).numel() * dtype.itemsize
+        data = bytearray(per_row * (high - low))
+        if data:
+            with open(self._files[name], "rb", buffering=0) as f:
+                got = os.preadv(f.fileno(), [data], offset + low * per_row)
+            if got != len(data):
+                raise ConfigError(f"{self.where}: {self._files[name].name} is cut short in {name}; copy the whole "
+                                  "model directory again")
+        block = (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).reshape(
+            (high - low, *shape[1:]) if shape else ())
+        if region is not None and shape:  # the rows read: the rest of the region cut out of them
+            first = slice(None) if rows.step == 1 else region[0]
+            block = block[(first, *region[1:])].clone(memory_format=torch.contiguous_format)
+        return self._count(block)
 
-    def _handle(self, path: Path) -> Any:
-        from safetensors import safe_open
 
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path]
-
-    def close(self) -> None:
-        self._open.clear()
+def _entries(path: Path, where: str) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    """The tensors of one safetensors file: shape, dtype and where its bytes begin, by name."""
+    try:
+        header, start = read_header(path)
+        return {name: (tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]], start + e["data_offsets"][0])
+                for name, e in header.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: {path.name} is not a safetensors file polytrain can read ({exc!r}); "
+                          "give the model's *.safetensors as save_pretrained writes them") from None
 
 
 class MappedSource(Source):

@@ -130,15 +130,16 @@ class TensorParallel(TensorParallelDeclared, Strategy):
 
 def check_tp(config: Any, model: nn.Module | None, tp: int) -> TensorPlan | None:
     """Before launch: the plan ``--tp-plan`` gives (the model's own for ``auto``) splits the model over ``tp``
-    ranks (one ConfigError line if not). The model is built on the meta device when named; a factory that
-    needs the data's real shape is checked in the workers instead."""
+    ranks (one ConfigError line if not). The model is built on the meta device when named, for the data's
+    shape where the factory needs it (one that loads weights); one that cannot be built there at all is checked
+    in the workers instead (which check every model again)."""
     if tp < 2:
         return None
     name = config.model.model
     if model is None and name != "auto":
         from polytrain.models.registry import meta_model
 
-        model = meta_model(config)
+        model = meta_model(config, with_data=True)
     if model is None:
         return None
     plan = plan_for(model, config.tp.tp_plan, name)
