@@ -30,6 +30,12 @@ def phase(name: str) -> contextlib.AbstractContextManager[None]:
     return _NOTHING if recorder is None else recorder.span(name)
 
 
+def labelling() -> bool:
+    """Whether a step is being profiled here (a label does something): a caller with several labels and nothing
+    else to enter may take a path without them when it is not."""
+    return _active is not None
+
+
 def interval(name: str, start: float, end: float) -> None:
     """A part of the enclosing phase, from ``start`` to ``end`` (``time.perf_counter()`` seconds), that is
     ``name`` instead (measured by the caller: e.g. the end of a backward spent waiting for an exchange)."""

@@ -164,6 +164,9 @@ class Amp:
         self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=self.precision.initial_loss_scale)
                        if active and self.precision.scaled else None)
         self._cast_inputs = active and self.precision.name == "bf16-true"
+        #: whether it does nothing in a step (no autocast, no cast, no scale): 32-true, or a mode the strategy
+        #: carries out itself
+        self.idle = self._dtype is None and self.scaler is None and not self._cast_inputs
         self.skipped = 0  # steps skipped since the last take_metrics()
         self.skipped_total = 0
 

@@ -38,11 +38,29 @@ def test_results_come_back_in_rank_order():
 
 def test_one_worker_runs_in_process():
     result, = launch(_in_process, workers=1)
-    assert result == (0, 1, os.getpid())
+    assert result[:3] == (0, 1, os.getpid())
+
+
+def test_in_process_the_callers_thread_count_is_restored_after_the_run():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        result, = launch(_in_process, workers=1, threads_per_worker=1)
+        assert result == (0, 1, os.getpid(), 1)  # the run had the count asked for, the caller has its own back
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"):
+            launch(_boom, workers=1, threads_per_worker=1)
+        assert torch.get_num_threads() == 2  # however the run ended
+    finally:
+        torch.set_num_threads(before)
 
 
 def _in_process(ctx):
-    return ctx.rank, ctx.world_size, os.getpid()
+    return ctx.rank, ctx.world_size, os.getpid(), torch.get_num_threads()
+
+
+def _boom(ctx):
+    raise RuntimeError("boom")
 
 
 def test_without_workers_the_device_spec_sets_the_count():
@@ -50,7 +68,7 @@ def test_without_workers_the_device_spec_sets_the_count():
     assert [r["world"] for r in results] == [2, 2]
     assert all("returned to the system" in r["host_memory"] for r in results)
     result, = launch(_in_process)  # no count anywhere: one worker, in this process
-    assert result == (0, 1, os.getpid())
+    assert result[:3] == (0, 1, os.getpid())
 
 
 def _fail_on_rank_one(ctx):

@@ -9,6 +9,10 @@ Two cases train the same model from the same initial values on the same batches 
   1-D mesh, zero_grad / forward / cross-entropy / backward / step, its own ``python`` process, timed over the
   same steps.
 
+With ``--dp-shard S`` (fsdp x tp on one ``dp_shard x tp`` mesh, ``S x T`` processes): ``polytrain --strategy
+fsdp --workers S*T --tp T`` against the plain loop with ``fully_shard`` over ``dp_shard`` after
+``parallelize_module`` over ``tp`` (each dp_shard rank its slice of the global batch).
+
 They run in interleaved repeats (each repeat starting one case later); the speed ratio tp / plain is the median
 of the per-repeat ratios, with their min and max, over the timed window and by the median step.
 """
@@ -40,6 +44,7 @@ class TpBenchConfig:
     data: str = "text:seq_len=128"
     batch_size: int = 8
     workers: int = 2  # = --tp: one replica
+    dp_shard: int = 1  # > 1: fsdp x tp, each tp group's model also sharded over dp_shard ranks
     warmup: int = 5
     steps: int = 20
     repeats: int = 3
@@ -53,11 +58,14 @@ class TpBenchConfig:
         from polytrain.data.registry import check_data
         from polytrain.models.registry import resolve_model_factory
 
-        for name in ("batch_size", "warmup", "steps", "repeats"):
+        for name in ("batch_size", "warmup", "steps", "repeats", "dp_shard"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.workers < 2:
             raise ConfigError(f"--workers must be >= 2 for --suite tp (one rank splits nothing), got {self.workers}")
+        if self.batch_size % self.dp_shard:
+            raise ConfigError(f"--dp-shard {self.dp_shard} does not divide --batch-size {self.batch_size}; each "
+                              "dp_shard rank takes an equal slice of it")
         if self.optimizer not in ("adam", "sgd"):
             raise ConfigError(f"--optimizer must be adam or sgd for --suite tp, got '{self.optimizer}'")
         if not self.model.split(":")[0] == "transformer_lm":
@@ -80,13 +88,23 @@ class TpCase:
 
 
 def cases(cfg: TpBenchConfig) -> list[TpCase]:
-    n = cfg.workers
+    n, s = cfg.workers, cfg.dp_shard
+    if s > 1:
+        return [TpCase("tp", f"polytrain --strategy fsdp --tp {n} (--dp-shard {s}), {n * s} workers x 1 thread"),
+                TpCase("plain", f"plain parallelize_module + fully_shard loop, {n * s} workers x 1 thread")]
     return [TpCase("tp", f"polytrain --strategy tp --tp {n}, {n} workers x 1 thread"),
             TpCase("plain", f"plain parallelize_module loop, {n} workers x 1 thread")]
 
 
+def _ratio_label(cfg: TpBenchConfig) -> str:
+    return "polytrain fsdp x tp / plain parallelize_module + fully_shard loop" if cfg.dp_shard > 1 else \
+        "polytrain tp / plain parallelize_module loop"
+
+
 def describe(cfg: TpBenchConfig) -> str:
-    lines = [f"{cfg.model} on {cfg.data}, global batch {cfg.batch_size} (every tp rank takes all of it), "
+    takes = "every tp rank takes all of it" if cfg.dp_shard == 1 else \
+        f"each of the {cfg.dp_shard} dp_shard ranks a slice, every tp rank of it all of the slice"
+    lines = [f"{cfg.model} on {cfg.data}, global batch {cfg.batch_size} ({takes}), "
              f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.warmup} warm-up + {cfg.steps} timed steps, {cfg.repeats} "
              f"interleaved repeat(s), --host-memory {cfg.host_memory}:"]
     return "\n".join(lines + [f"  {case.key:<6} {case.label}" for case in cases(cfg)])
@@ -97,7 +115,8 @@ def run_polytrain(cfg: TpBenchConfig, repeat: int, workdir: Path, save_model: Pa
 
     metrics = workdir / f"tp-{repeat}.jsonl"
     total = cfg.warmup + cfg.steps
-    fit(model=cfg.model, data=cfg.data, strategy="tp", workers=str(cfg.workers), tp=cfg.workers,
+    fit(model=cfg.model, data=cfg.data, strategy="tp" if cfg.dp_shard == 1 else "fsdp",
+        workers=str(cfg.workers * cfg.dp_shard), tp=cfg.workers,
         threads_per_worker=1, batch_size=cfg.batch_size, steps=total, optimizer=cfg.optimizer, lr=cfg.lr,
         seed=cfg.seed, device="cpu", timeout=cfg.timeout, host_memory=cfg.host_memory, log_every=1, eval_every=0,
         histogram_every=0, progress="off", metrics_file=str(metrics),
@@ -112,7 +131,8 @@ def run_polytrain(cfg: TpBenchConfig, repeat: int, workdir: Path, save_model: Pa
 
 
 def plain_command(cfg: TpBenchConfig, result: Path, save_model: Path | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "polytrain.bench.tp_reference", "--workers", str(cfg.workers), "--threads", "1",
+    cmd = [sys.executable, "-m", "polytrain.bench.tp_reference", "--workers", str(cfg.workers), "--dp-shard",
+           str(cfg.dp_shard), "--threads", "1",
            "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size),
            "--warmup", str(cfg.warmup), "--steps", str(cfg.steps), "--optimizer", cfg.optimizer,
            "--lr", str(cfg.lr), "--seed", str(cfg.seed), "--timeout", str(cfg.timeout),
@@ -139,8 +159,7 @@ def run_suite(cfg: TpBenchConfig, progress: Callable[[str], None] = lambda messa
     tokens = tokens_per_example(cfg.data, cfg.seed)
     rows = [case_row(case, runs[case.key], tokens) for case in chosen]
     ratios = [paired_ratio(key, label, runs["tp"], runs["plain"], measure, target)
-              for key, label, measure, target in (("tp_vs_plain", "polytrain tp / plain parallelize_module loop",
-                                                   "examples_per_sec", TARGET),
+              for key, label, measure, target in (("tp_vs_plain", _ratio_label(cfg), "examples_per_sec", TARGET),
                                                   ("tp_vs_plain_median_step", "the same, median step",
                                                    "step_examples_per_sec", None))]
     return {"suite": "tp", "config": cfg.to_dict(), "env": environment(), "rows": rows, "ratios": ratios}
@@ -148,7 +167,9 @@ def run_suite(cfg: TpBenchConfig, progress: Callable[[str], None] = lambda messa
 
 def _header(doc: dict[str, Any]) -> str:
     cfg, env = doc["config"], doc["env"]
-    return (f"{cfg['model']} on {cfg['data']}; --tp {cfg['workers']}: {cfg['workers']} workers x 1 thread, global "
+    shard = cfg.get("dp_shard", 1)
+    degrees = f"--dp-shard {shard} x --tp {cfg['workers']}" if shard > 1 else f"--tp {cfg['workers']}"
+    return (f"{cfg['model']} on {cfg['data']}; {degrees}: {cfg['workers'] * shard} workers x 1 thread, global "
             f"batch {cfg['batch_size']}, {cfg['optimizer']}; median of {cfg['repeats']} interleaved repeat(s) of "
             f"{cfg['steps']} steps after {cfg['warmup']} warm-up; --host-memory {cfg['host_memory']}; "
             f"{env['cores']} cores ({env['cpu']}), torch {env['torch']}")

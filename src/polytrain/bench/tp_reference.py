@@ -8,6 +8,10 @@ listens on the network; gloo is pinned to the loopback interface), each builds t
 block's attention heads and MLP: ``ColwiseParallel`` then ``RowwiseParallel``), then runs zero_grad / forward /
 cross-entropy / backward / step on each whole global batch (every tensor-parallel rank takes all of it).
 
+With ``--dp-shard S`` (fsdp x tp, torchtitan's 2-D): ``S x --workers`` processes on a ``dp_shard x tp`` mesh;
+the plan is applied over ``tp`` first, then ``fully_shard`` over ``dp_shard`` on every unit of the model and on
+the model itself, and each ``dp_shard`` rank takes its slice of the global batch.
+
 Taken from polytrain: the model, its initial values (``build_model(..., seed=S)``), the data and the batch
 order, so both sides train the same network on the same batches; and the style of ``transformer_lm``'s fused
 q, k, v projection (3 parts, each split alike: :mod:`polytrain.parallel.tp.plan`), which torch has no
@@ -16,6 +20,7 @@ name for. Records examples/s over the steps after the warm-up and each timed ste
 Run alone::
 
     python -m polytrain.bench.tp_reference --workers 2 --steps 20 --result tp.json
+    python -m polytrain.bench.tp_reference --workers 2 --dp-shard 2 --steps 20 --result fsdp-tp.json
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import polytrain.strategies  # noqa: F401  (first: polytrain.parallel.tp imported before it is a circular import)
@@ -42,6 +47,7 @@ from polytrain.devices.host_memory import HOST_MEMORY_CHOICES, set_host_memory
 from polytrain.distributed.processes import fork_or_spawn
 from polytrain.distributed.rendezvous import loopback_interface
 from polytrain.models.registry import build_model
+from polytrain.parallel.dtensor import full as whole
 from polytrain.parallel.tp.plan import Rule, parallel_style
 
 
@@ -50,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="Plain tensor-parallel (parallelize_module) training, timed after a "
                                             "warm-up.")
     p.add_argument("--workers", type=int, default=2, help="tensor-parallel ranks")
+    p.add_argument("--dp-shard", type=int, default=1, help="ranks each tp group's model is fully_shard-ed over "
+                                                           "(fsdp x tp: dp-shard x workers processes)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
     p.add_argument("--model", default="transformer_lm:layers=4,dim=256,heads=4")
     p.add_argument("--data", default="text:seq_len=128")
@@ -69,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
     set_host_memory(args.host_memory)
     torch.set_num_threads(args.threads)
-    store = dist.FileStore(store_path, args.workers)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.workers,
+    world = args.workers * args.dp_shard
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
     try:
         train(rank, args)
@@ -94,9 +103,14 @@ def hand_written_plan(layers: int) -> dict:
 
 def train(rank: int, args: argparse.Namespace) -> None:
     data = build_data(args.data, seed=args.seed)
-    mesh = init_device_mesh("cpu", (args.workers,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (args.dp_shard, args.workers), mesh_dim_names=("dp_shard", "tp"))
     model = build_model(args.model, input_shape=data.input_shape, num_classes=data.num_outputs, seed=args.seed)
-    parallelize_module(model, mesh, hand_written_plan(len(model.blocks)))
+    parallelize_module(model, mesh["tp"], hand_written_plan(len(model.blocks)))
+    per, row = args.batch_size // args.dp_shard, mesh.get_local_rank("dp_shard")
+    if args.dp_shard > 1:  # fsdp x tp: every unit, then the root, sharded over dp_shard
+        for unit in (model.embed, *model.blocks, model.head):
+            fully_shard(unit, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
@@ -107,7 +121,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         if step == args.warmup:
             ends.append(time.perf_counter())
             cpu = time.process_time()
-        x, y = data.train.get_batch(plan.global_indices(step), plan.position(step)[0])
+        x, y = data.train.get_batch(plan.global_indices(step)[row * per:(row + 1) * per], plan.position(step)[0])
         optimizer.zero_grad(set_to_none=True)
         loss = cross_entropy(model(x), y)
         loss.backward()
@@ -116,7 +130,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
             ends.append(time.perf_counter())
     elapsed = ends[-1] - ends[0]
     cpu = time.process_time() - cpu
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    full = {k: whole(v) for k, v in model.state_dict().items()}  # (a fused q, k, v over two meshes: in order)
     if rank == 0:
         if args.save_model:
             torch.save(full, args.save_model)
@@ -130,10 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.workers < 2:
         raise SystemExit("--workers must be 2 or more (one rank splits nothing)")
+    if args.dp_shard < 1 or args.batch_size % args.dp_shard:
+        raise SystemExit(f"--dp-shard {args.dp_shard} must be >= 1 and divide --batch-size {args.batch_size}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix="tp-reference-") as tmp:
-        mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers,
+        mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.workers * args.dp_shard,
                            join=True, start_method=fork_or_spawn())
 
 

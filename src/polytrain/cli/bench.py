@@ -58,7 +58,9 @@ and optimizer bytes.
 --suite tp: polytrain --strategy tp --tp N (N workers x 1 thread, every rank the whole global --batch-size)
 against a plain tensor-parallel loop (parallelize_module with the same plan written out by hand, Adam or SGD,
 cross-entropy) on the same transformer_lm, initial values and batches; examples/s after the warm-up (and by the
-median step) and the speed ratio tp / plain (median of the per-repeat ratios, with min-max).
+median step) and the speed ratio tp / plain (median of the per-repeat ratios, with min-max). With --dp-shard S:
+fsdp x tp (polytrain --strategy fsdp --workers S*N --tp N) against the plain loop with fully_shard over the
+dp_shard axis of the same dp_shard x tp mesh after parallelize_module over tp (target >= 0.98).
 
 --suite overhead: what polytrain's own step machinery costs. Each row trains the same model, initial values and
 batches twice, polytrain and the plain PyTorch loop of the same thing, back to back (swapped every repeat):
@@ -133,6 +135,9 @@ def add_parser(sub: Any) -> None:
                         help="throughput, fsdp and tp: workers of sync, DDP, fsdp and tp (default: 2)")
     parser.add_argument("--batch-size", type=int, metavar="N",
                         help="pipeline, compile and tp suites: the global batch per step")
+    parser.add_argument("--dp-shard", type=int, metavar="S",
+                        help="tp: also shard each tp group over S ranks (fsdp x tp, S x --workers processes) against "
+                             "a plain parallelize_module + fully_shard loop (default: 1)")
     parser.add_argument("--stages", type=int, metavar="P", help="pipeline: stage processes (default: 2)")
     parser.add_argument("--microbatches", type=_ints, metavar="M,M,..",
                         help="pipeline: micro-batch counts (default: 1,2,4,8)")

@@ -219,6 +219,9 @@ class SlicedBatches:
         self.slice_at = slice if callable(slice) else (lambda step: slice)
         self.dataset, self.plan, self.device = dataset, plan, device
         self.start_step, self.num_workers = start_step, num_workers
+        # looked up once: a batch of a tiny model takes tens of microseconds, where every lookup shows
+        self._get_batch = getattr(dataset, "get_batch", None)
+        self._count_units = getattr(dataset, "count_units", None)
 
     def __iter__(self) -> Iterator[Batch]:
         if hasattr(self.dataset, "get_batch"):
@@ -237,8 +240,9 @@ class SlicedBatches:
         take steps out of order: a slice of an earlier step handed back by a lost worker)."""
         everyone = self.plan.global_indices(step)
         mine = self.slice_at(step).take(everyone)
-        if hasattr(self.dataset, "get_batch"):
-            x, y = self.dataset.get_batch(mine, self.plan.position(step)[0])
+        get_batch = self._get_batch
+        if get_batch is not None:
+            x, y = get_batch(mine, self.plan.position(step)[0])
         else:
             x, y = torch.utils.data.default_collate([self.dataset[int(i)] for i in mine])
         return Batch(step, self._to_device(x), self._to_device(y), self._units(everyone), everyone.shape[0], mine)
@@ -258,7 +262,7 @@ class SlicedBatches:
 
     def _units(self, everyone: torch.Tensor) -> int:
         """The loss units of the whole global batch: what the dataset counts (real tokens), else examples."""
-        count = getattr(self.dataset, "count_units", None)
+        count = self._count_units
         return int(count(everyone)) if count is not None else everyone.shape[0]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -244,11 +244,16 @@ def _run_in_process(fn: Callable[..., Any], args: tuple[Any, ...], device: str, 
                     layout: Layout | None = None, memory_limit: str | None = None,
                     preload: tuple[str, ...] = ()) -> Any:
     setup_logging(0, 1, all_ranks=log_all_ranks)
+    callers_threads = torch.get_num_threads()
     if threads:  # only when asked: an in-process run otherwise keeps PyTorch's own choice
         torch.set_num_threads(threads)
-    topology = Topology(device=resolve_device(device, soft=soft_placement))
-    with limited(memory_limit, topology.device, 0, preload):  # this process's own limit again after the run
-        return fn(WorkerContext(topology, stop if stop is not None else StopSignal(), layout), *args)
+    try:
+        topology = Topology(device=resolve_device(device, soft=soft_placement))
+        with limited(memory_limit, topology.device, 0, preload):  # this process's own limit again after the run
+            return fn(WorkerContext(topology, stop if stop is not None else StopSignal(), layout), *args)
+    finally:
+        if torch.get_num_threads() != callers_threads:  # and the caller's own thread count
+            torch.set_num_threads(callers_threads)
 
 
 def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None = None,

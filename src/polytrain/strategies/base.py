@@ -190,8 +190,9 @@ class Strategy:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.clip_grad_norm)
             with self.phase("optimizer"):
                 self._optimizer_step(self.optimizer)
-        self.traffic.examples += len(batch)
-        return StepResult(loss, len(batch), self._take_wait())
+        examples = len(batch)
+        self.traffic.examples += examples
+        return StepResult(loss, examples, self._take_wait())
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ strategy's ``grad_sync``/``backward``) after the last one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from polytrain.data.batches import Batch
-from polytrain.phases import phase
+from polytrain.phases import labelling, phase
 from polytrain.precision import Amp, Precision
 from polytrain.tasks import model_loss_of
 
@@ -90,16 +91,25 @@ def forward_backward(model: nn.Module, batch: Batch, task: Any, replicas: int, a
     micro_loss = _task_loss if loss == "task" else _model_loss
     global_units = batch.global_units if loss == "task" else _model_global_units(task, batch, replicas)
     if accumulate == 1:  # one micro-batch: no chunks, no running sum (a step's fixed cost is its Python and ops)
-        with grad_sync(model, True):
-            with phase("forward"), amp.autocast():
-                mean, units = micro_loss(model, task, amp.inputs(batch.inputs), batch.targets)
-                divisor = loss_divisor(global_units, replicas, units)
-                weighed = mean / divisor if divisor != 1 else mean  # (x / 1 is x: the same bits either way)
-            with phase("backward"):
-                backward(amp.scale(weighed))
+        x = batch.inputs
+        sync = grad_sync(model, True)
+        if amp.idle and type(sync) is contextlib.nullcontext and not labelling():
+            # nothing to enter: the same computation without six no-op contexts (a tiny model's step is
+            # mostly Python calls, each of which shows)
+            mean, units = micro_loss(model, task, x, batch.targets)
+            divisor = loss_divisor(global_units, replicas, units)
+            weighed = mean / divisor if divisor != 1 else mean  # (x / 1 is x: the same bits either way)
+            backward(weighed)
+        else:
+            with sync:
+                with phase("forward"), amp.autocast():
+                    mean, units = micro_loss(model, task, amp.inputs(x), batch.targets)
+                    divisor = loss_divisor(global_units, replicas, units)
+                    weighed = mean / divisor if divisor != 1 else mean
+                with phase("backward"):
+                    backward(amp.scale(weighed))
         out = weighed.detach()
-        device = batch.inputs.device
-        return out if out.dtype == torch.float32 and out.device == device else out.to(device, torch.float32)
+        return out if out.dtype is torch.float32 and out.device == x.device else out.to(x.device, torch.float32)
     total = torch.zeros((), device=batch.inputs.device)
     pieces = list(zip(amp.inputs(batch.inputs).chunk(accumulate), batch.targets.chunk(accumulate)))
     for i, (x, y) in enumerate(pieces):
@@ -118,7 +128,8 @@ _FLOAT32 = Amp()  # 32-true: no autocast, no cast, no scale
 
 def _task_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The task's mean loss on the model's outputs for one micro-batch, and the units it averages over."""
-    return task.loss(model(x, **task.model_kwargs(x)), y), task.units(y)
+    kwargs = task.model_kwargs(x)
+    return task.loss(model(x, **kwargs) if kwargs else model(x), y), task.units(y)
 
 
 def _model_loss(model: nn.Module, task: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -173,11 +173,12 @@ class RunLog:
             return
         self._write({"event": "step", **record})
         step = record["step"]
-        scalars = step_scalars(record)
-        if self._tb is not None:
-            for tag, value in scalars.items():
-                self._tb.add_scalar(tag, value, step)
-        self._track({**scalars, "train/epoch": record.get("epoch"), "perf/time_s": record.get("time_s")}, step)
+        if self._tb is not None or self._trackers:  # (named for TensorBoard and the trackers only)
+            scalars = step_scalars(record)
+            if self._tb is not None:
+                for tag, value in scalars.items():
+                    self._tb.add_scalar(tag, value, step)
+            self._track({**scalars, "train/epoch": record.get("epoch"), "perf/time_s": record.get("time_s")}, step)
         ranks, slices = record.get("rank_examples_per_sec", []), record.get("rank_batch", [])
         per_rank = (" per rank " + "/".join(f"{v:.0f}" for v in ranks)) if len(ranks) > 1 else ""
         if len(set(slices)) > 1:  # a balanced split moved examples between ranks: show how many each took

@@ -149,14 +149,16 @@ class Trainer:
         # tensor op; the contexts that label, log or count the step are entered only while they are active (a
         # step of a tiny model takes a millisecond: every call shows). The reads are at log points.
         profiler, devices, memory, straggler, kill = self.profiler, s.devices, self.memory, self.straggler, self.kill
-        log_every, total = cfg.log.log_every, s.total_steps
+        log_every, total, histogram_every = cfg.log.log_every, s.total_steps, cfg.log.histogram_every
+        eval_every = cfg.train.eval_every if s.data.test is not None else 0
+        unwatched = profiler is None and devices.plain  # (then only the memory meter's first steps are watched)
         errors = operator_errors()
         while step < total:
             if self._stop_after(step):
                 return self._stopped(step, last_interval_loss, last_eval)
             lr = s.lr_schedule(step)
             tick = time.perf_counter()
-            if profiler is None and devices.plain and memory.done:
+            if unwatched and memory.done:
                 batch = next(batches)
                 with errors:
                     result = strategy.train_step(batch, lr)
@@ -185,12 +187,11 @@ class Trainer:
                 run_log.step(record)
                 ids.flush()
                 last_interval_loss = record["loss"]
-            if cfg.log.histogram_every and done % cfg.log.histogram_every == 0:
+            if histogram_every and done % histogram_every == 0:
                 run_log.histograms(strategy.module, done)
-            if s.data.test is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 \
-                    and done != s.total_steps:
+            if eval_every and done % eval_every == 0 and done != total:
                 last_eval = self._evaluate(run_log, done)
-            if s.checkpointer and done != s.total_steps and self._checkpoint_due(done):
+            if s.checkpointer and done != total and self._checkpoint_due(done):
                 self._checkpoint(done, periodic=True)
             elif self.snapshots is not None and snapshot_due(cfg, done, s.total_steps):
                 self._checkpoint(done, periodic=True, snapshot=True)

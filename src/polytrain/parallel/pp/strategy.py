@@ -60,6 +60,7 @@ from polytrain.parallel.pp.state import StageState
 from polytrain.strategies.step import StepResult, loss_divisor
 from polytrain.tasks import check_takes_labels
 from polytrain.parallel.tp import axis as tp_axis
+from polytrain.parallel.tp.graph import plain_as_replicated
 
 
 @register_strategy
@@ -281,7 +282,8 @@ class Pipeline(PipelineDeclared, StageReplicas, StageState, TracedRun, Strategy)
         if self.is_traced and args:  # stage 0's arguments in the traced graph's order (inputs, labels)
             args = traced.root_args(self._traced_info, args[0], labels)
         target = batch.targets if labels is None else labels
-        with phase("wait"):  # --profile: the schedule's time outside its stages' forward and backward
+        # --profile: "wait" is the schedule's time outside its stages' forward and backward
+        with phase("wait"), plain_as_replicated(self.is_traced and self.tp > 1):
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         wall = time.perf_counter() - start
         busy = sum(stage.busy for stage in self.stage_objects)
@@ -315,7 +317,8 @@ class Pipeline(PipelineDeclared, StageReplicas, StageState, TracedRun, Strategy)
         self._ensure_stages(inputs[:size], labels[:size] if labels is not None else None)
         with self.amp.autocast():
             if self.is_traced:
-                out = self._traced_eval(inputs, targets)
+                with plain_as_replicated(self.tp > 1):
+                    out = self._traced_eval(inputs, targets)
                 if self.sharded:  # gathered for the forward: back to this rank's shards
                     for module in self.modules.values():
                         reshard(module)

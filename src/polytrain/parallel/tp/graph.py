@@ -8,12 +8,14 @@ at the whole width, a reshape back to the whole width. torch's ``ColwiseParallel
 depend on the class, so here they are applied to the graph module of each layer the plan names, and a colwise
 layer keeps its output a DTensor (``use_local_output=False``): the traced graph between a colwise layer and
 its rowwise partner then runs on DTensors, whose shapes are the whole model's, so its baked shapes hold.
-A rowwise layer's output is whole on every tp rank (a plain tensor), as a stage's outputs must be.
+A rowwise layer's output is whole on every tp rank (a plain tensor), as a stage's outputs must be; a plain
+tensor made inside the graph that meets a DTensor there (a rotary embedding's cos and sin) counts as whole on
+every rank (:func:`plain_as_replicated`, around the schedule's step and the evaluation).
 
 What DTensor lacks for this on CPU: a sharding rule for ``aten._scaled_dot_product_flash_attention_for_cpu``
 (and its backward), which ``scaled_dot_product_attention`` runs on CPU. :func:`register_cpu_attention` gives
 one through torch's ``register_sharding``: the heads (dim 1 of q, k, v, the output and its log-sum-exp)
-sharded alike, or everything whole.
+sharded alike, or everything whole (an attention mask whole in both).
 
 A fused projection of several parts (q, k, v) is split as one colwise layer (rows ``Shard(0)``); the split of
 its output into q, k and v then gathers it whole on each rank, and attention runs on every head there; the
@@ -33,6 +35,19 @@ from polytrain.parallel.tp.plan import TensorPlan
 _REGISTERED = False
 
 
+def plain_as_replicated(on: bool) -> Any:
+    """While a traced stage split over tp runs (``on``), forward and backward: a plain tensor meeting a DTensor
+    counts as whole on every tp rank (torch's ``implicit_replication``), as the rotary embedding's cos and sin
+    (made inside the forward, not parameters) are on each rank; else nothing."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
 def register_cpu_attention() -> None:
     """DTensor's sharding rule for CPU attention (forward and backward): heads sharded, or all replicated."""
     global _REGISTERED
@@ -46,13 +61,15 @@ def register_cpu_attention() -> None:
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        return [([Replicate()] * 2, [Replicate()] * 3 + [None, None]),
-                ([Shard(1)] * 2, [Shard(1)] * 3 + [None, None])]
+        mask = [] if attn_mask is None else [Replicate()]  # (batch, 1, time, time): the same for every head
+        return [([Replicate()] * 2, [Replicate()] * 3 + [None, None] + mask),
+                ([Shard(1)] * 2, [Shard(1)] * 3 + [None, None] + mask)]
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     def backward(grad, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
-        return [([Replicate()] * 3, [Replicate()] * 6 + [None, None]),
-                ([Shard(1)] * 3, [Shard(1)] * 6 + [None, None])]
+        mask = [] if attn_mask is None else [Replicate()]
+        return [([Replicate()] * 3, [Replicate()] * 6 + [None, None] + mask),
+                ([Shard(1)] * 3, [Shard(1)] * 6 + [None, None] + mask)]
 
     _REGISTERED = True
 
