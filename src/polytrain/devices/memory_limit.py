@@ -10,8 +10,8 @@ The CPU analogue of TensorFlow's ``per_process_gpu_memory_fraction``. What is co
   ``RLIMIT_DATA``, set to baseline + SIZE (Linux >= 4.7 counts private writable mappings against it): an
   allocation past it fails in that worker (``malloc`` returns NULL; PyTorch raises "DefaultCPUAllocator:
   can't allocate memory", Python a ``MemoryError``), never the kernel's OOM killer. Memory the allocator
-  keeps for reuse (``--host-memory cache``) counts, as a GPU allocator's cache does; but blocks of 1 MiB or
-  more are mapped on their own and returned to the kernel when freed (glibc's mmap threshold set to 1 MiB; it
+  keeps for reuse (``--host-memory cache``) counts, as a GPU allocator's cache does; but blocks of 128 KiB or
+  more are mapped on their own and returned to the kernel when freed (glibc's mmap threshold set to 128 KiB; it
   stays so in the process), so a large block freed is not held against the limit.
 * **GPU**: ``torch.cuda.set_per_process_memory_fraction(SIZE / the device's memory)`` on the worker's device:
   the caching allocator's reserved memory is capped, and an allocation past it raises
@@ -48,7 +48,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
 _CPU_BYTES = re.compile(r"you tried to allocate (\d+) bytes")
 _GPU_BYTES = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
-_MMAP_THRESHOLD = 1 << 20  # under a limit, blocks of 1 MiB and more go back to the kernel when freed
+_MMAP_THRESHOLD = 1 << 17  # under a limit, blocks of 128 KiB and more go back to the kernel when freed
 _NO_MEMORY = ("can't allocate memory", "std::bad_alloc", "could not create a primitive")
 SMALLEST = 1 << 20  # the least --memory-limit: below it a worker fails at its first allocations
 _CACHED_STACKS = 5  # glibc caches 40 MiB of ended threads' stacks: five of 8 MiB (the default)
