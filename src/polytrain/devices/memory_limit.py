@@ -51,6 +51,10 @@ _GPU_BYTES = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _MMAP_THRESHOLD = 1 << 17  # under a limit, blocks of 128 KiB and more go back to the kernel when freed
 _NO_MEMORY = ("can't allocate memory", "std::bad_alloc", "could not create a primitive")
 SMALLEST = 1 << 20  # the least --memory-limit: below it a worker fails at its first allocations
+# torch imports its compiler lazily, at an optimizer's first zero_grad or step (torch._disable_dynamo): 68 MiB of
+# module state and op tables whose native code crashes (SIGSEGV) rather than failing cleanly when an allocation
+# is refused under the limit, so every limited process imports it first, into its baseline
+_BASELINE_MODULES = ("torch._dynamo",)
 _CACHED_STACKS = 5  # glibc caches 40 MiB of ended threads' stacks: five of 8 MiB (the default)
 ADVICE = ("try --strategy fsdp, more --workers, --activation-checkpointing full or --precision bf16-mixed "
           "(polytrain plan estimates each rank's memory)")
@@ -103,7 +107,7 @@ def apply_memory_limit(text: str | None, device: torch.device, rank: int, *, pre
     fail where the run imports it."""
     if not text:
         return None
-    for name in preload:
+    for name in (*_BASELINE_MODULES, *preload):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     limit = parse_size(text)
@@ -259,10 +263,6 @@ def _limit_data(applied: Applied) -> None:
         raise ConfigError(f"--memory-limit {applied.text} on the CPU needs Linux (its RLIMIT_DATA counts a "
                           f"process's private memory); on {sys.platform} use it with a GPU (--device cuda)")
     torch.zeros(1 << 20).add_(1).sum()  # start torch's CPU threads now: their stacks belong to the baseline
-    # torch imports its compiler lazily, at an optimizer's first zero_grad or step (torch._disable_dynamo): tens
-    # of MiB of module state and op tables whose native code crashes (SIGSEGV) rather than failing cleanly when
-    # an allocation is refused, so it is imported here, into the baseline (a spawned worker has it preloaded)
-    importlib.import_module("torch._dynamo")
     _warm_kernels()
     _cache_thread_stacks()
     # glibc keeps freed blocks below its threshold (32 MiB under --host-memory cache) in its heap, where they
