@@ -33,7 +33,11 @@ def degrees_of(cls: type[Declared], workers: int | None, options: Any = None) ->
 def mesh_layout(cls: type[Declared], workers: int | None, options: Any = None, meets_every: int = 1) -> Layout:
     """The layout of a strategy of the mesh: one trainer rank per point of ``dp_replicate x dp_shard x pp x
     tp``, run by the class of its exchange that cuts a replica as the degrees say (:func:`runner_for`)."""
-    degrees = degrees_of(cls, workers, options)
+    return degrees_layout(cls, degrees_of(cls, workers, options), meets_every)
+
+
+def degrees_layout(cls: type[Declared], degrees: Degrees, meets_every: int = 1) -> Layout:
+    """The layout of ``degrees`` for ``--strategy cls.name`` (:func:`mesh_layout`'s, the degrees given)."""
     runner = runner_for(cls, degrees)
     return Layout(runner.name, ("trainer",) * degrees.world, degrees.axes(), degrees.dp, meets_every=meets_every,
                   named=cls.name if runner is not cls else "")
