@@ -70,3 +70,17 @@ def test_workers_are_found_by_their_process_name():
         child.kill()
         child.wait()
     assert workers_of(os.getpid()) == {}
+
+
+def test_the_table_gives_each_jobs_median_and_spread_of_what_a_failure_cost():
+    from polytrain.bench.goodput import format_text
+
+    recoveries = [{"event": "recovery", "restart": n, "first_step_s": first, "back_s": back, "redone_steps": redone}
+                  for n, (first, back, redone) in enumerate([(1.5, 2.5, 8), (2.0, 4.0, 15), (1.0, 2.0, 4)], 1)]
+    job = dict(side="max-restarts", useful_steps=900, useful_steps_per_s=9.0, goodput=0.9, target=0.85, kills=[{}] * 3,
+               restarts=3, lost_s=8.5, goodput_by_lost_time=0.92, load_1min_before=3.0, load_1min_after=4.0,
+               recoveries=recoveries)
+    doc = {"config": {"duration": 100, "failure_every": 30, "workers": 4}, "machine": {"cpus": 2}, "date": "today",
+           "results": [job], "skipped": {}}
+    row = next(line for line in format_text(doc).splitlines() if line.startswith("| max-restarts"))
+    assert "| 2.5 (2.0-4.0) | 1.5 (1.0-2.0) | 8 (4-15) | 3.0 -> 4.0 |" in row

@@ -80,20 +80,29 @@ def test_a_killed_worker_is_restarted_and_the_model_ends_bit_for_bit_as_uninterr
 def test_a_restart_resumes_from_the_snapshot_in_memory_and_the_model_ends_bit_for_bit(tmp_path, monkeypatch,
                                                                                      uninterrupted):
     """--snapshot-every 2 without periodic checkpoints on disk: the restart resumes from the newest snapshot (the
-    one being written when the worker died may not be whole: then the one before), and nothing is left in memory."""
+    one being written when the worker died may not be whole: then the one before), and nothing is left in memory.
+    What the restart cost is in the summary and the metrics file: the step reached, the step resumed, and the
+    seconds from the death to the next completed step and back to the step reached."""
     settings = dict(STRATEGIES["sync"], checkpoint_every=0)
     step = draw("snapshot", 5, STEPS - 2)
     _, whole = uninterrupted("sync")
-    before = set(glob.glob("/dev/shm/polytrain-snapshot-*"))
+    before = set(glob.glob("/dev/shm/polytrain-snapshot-*") + glob.glob("/dev/shm/polytrain-progress-*"))
     monkeypatch.setenv(KILL_ENV, f"rank=1,steps={step}")
     summary, restarted = _fit(tmp_path, "restarted", settings, max_restarts=1, snapshot_every=2)
     assert summary["steps"] == STEPS and summary["restarts"] == 1, f"killed after step {step}"
     last = (step - 1) // 2 * 2  # the newest snapshot before the kill (which comes before step's own)
     (cause,) = summary["restart_causes"]
     assert cause["resume_from"] in (f"step-{last:08d}.pt", f"step-{last - 2:08d}.pt"), (step, cause)
+    resumed = int(cause["resume_from"][5:13])
+    assert (cause["reached_step"], cause["resumed_step"], cause["redone_steps"]) == (step, resumed, step - resumed)
+    assert 0 < cause["first_step_s"] <= cause["back_s"] and cause["redo_s"] >= 0, cause
+    assert summary["restart_cost_s"]["back_s"]["median"] == cause["back_s"]
+    with open(tmp_path / "restarted.jsonl") as fh:
+        (recovery,) = [r for r in map(json.loads, fh) if r["event"] == "recovery"]
+    assert recovery == {"event": "recovery", **{k: cause[k] for k in recovery if k != "event"}}
     assert summary["snapshot_stall_s"]["checkpoints"] >= 1
     assert all(torch.equal(whole[k], restarted[k]) for k in whole), f"killed after step {step}"
-    assert set(glob.glob("/dev/shm/polytrain-snapshot-*")) <= before
+    assert set(glob.glob("/dev/shm/polytrain-snapshot-*") + glob.glob("/dev/shm/polytrain-progress-*")) <= before
 
 
 def _no_workers_left(ctx):
@@ -135,6 +144,11 @@ def test_the_command_line_summary_lists_the_restarts_and_their_causes():
                    total_wall_s=4.26)
     assert format_summary(summary).splitlines()[-1] == \
         "  restarts: 1 (worker rank 1 was killed by signal SIGKILL (after 1 s)); 4.3 s in all"
+    cost = dict(reached_step=9, resumed_step=8, redone_steps=1, first_step_s=1.23, back_s=1.5)
+    summary["restart_causes"] = [dict(summary["restart_causes"][0], **cost)]
+    assert format_summary(summary).splitlines()[-1] == \
+        "  restarts: 1 (worker rank 1 was killed by signal SIGKILL (after 1 s; next step after 1.2 s, back at step 9 " \
+        "after 1.5 s, 1 steps redone)); 4.3 s in all"
     assert "restarts" not in format_summary(dict(summary, restarts=0))
 
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from polytrain.bench.measure import BenchError
 from polytrain.errors import ConfigError
+from polytrain.train.recovery import cost_summary
 
 SIDES = ("undisturbed", "max-restarts", "continue")
 #: what the suite prints beside the measured goodput
@@ -234,6 +235,9 @@ def run_side(cfg: GoodputBenchConfig, side: str, workdir: Path,
     return {"side": side, "wall_s": round(wall, 2), "useful_steps": useful,
             "useful_steps_per_s": round(useful / wall, 3), "kills": kills,
             "restarts": sum(1 for e in events if e.get("event") == "restart"),
+            # each restart's own reading (train/recovery.py): the death to the next completed step, and back to
+            # the step reached (the steps redone included)
+            "recoveries": [e for e in events if e.get("event") == "recovery"],
             "exit_code": proc.returncode, "load_1min_before": round(load_before, 2),
             "load_1min_after": round(os.getloadavg()[0], 2), "progress": samples[::10]}
 
@@ -286,6 +290,13 @@ def lost_time(r: dict[str, Any]) -> None:
     r["goodput_by_lost_time"] = round(1 - r["lost_s"] / training, 4) if training else None
 
 
+def _spread(costs: dict[str, dict[str, float]], key: str, form: str = ".1f") -> str:
+    if key not in costs:
+        return "-"
+    c = costs[key]
+    return f"{c['median']:{form}} ({c['min']:{form}}-{c['max']:{form}})"
+
+
 def describe(cfg: GoodputBenchConfig) -> str:
     return (f"goodput: polytrain train --strategy sync --workers {cfg.workers} --model {cfg.model} --data {cfg.data} "
             f"--batch-size {cfg.batch_size}, each job {cfg.duration:g} s of wall time; a random worker SIGKILLed "
@@ -298,17 +309,20 @@ def format_text(doc: dict[str, Any]) -> str:
     lines = [f"goodput over {cfg['duration']:g} s per job, a worker killed every {cfg['failure_every']:g} s, "
              f"{cfg['workers']} workers ({doc['machine']['cpus']} CPUs), {doc['date']}", "",
              "| job | useful steps | steps/s | goodput | kills | restarts | s lost to failures | 1 - lost / training s "
+             "| s per failure: death to back at the step reached | death to the next step | steps redone "
              "| load before -> after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         good = "1 (reference)" if r["side"] == "undisturbed" else (
             f"{r['goodput']:.3f}" + (f" (target {r['target']})" if r["target"] else ""))
         if "lost_s" not in r:
             lost_time(r)
         by_lost = "-" if r["goodput_by_lost_time"] is None or not r["kills"] else f"{r['goodput_by_lost_time']:.3f}"
+        costs = cost_summary(r.get("recoveries", [])) or {}  # median (min-max) over the job's restarts
         lines.append(f"| {r['side']} | {r['useful_steps']} | {r['useful_steps_per_s']:.2f} | {good} | "
                      f"{len(r['kills'])} | {r['restarts']} | {r['lost_s']:.0f} | {by_lost} | "
-                     f"{r['load_1min_before']} -> {r['load_1min_after']} |")
+                     f"{_spread(costs, 'back_s')} | {_spread(costs, 'first_step_s')} | "
+                     f"{_spread(costs, 'redone_steps', '.0f')} | {r['load_1min_before']} -> {r['load_1min_after']} |")
     for side, why in doc["skipped"].items():
         lines.append(f"\nnot run: {side} ({why})")
     return "\n".join(lines)

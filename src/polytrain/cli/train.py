@@ -172,6 +172,16 @@ def _restarts_line(summary: dict[str, Any]) -> str:
     causes = summary.get("restart_causes") or []
     if not summary.get("restarts"):
         return ""
-    listed = "; ".join(f"{c['cause']} (after {c['after_s']:.0f} s)" for c in causes)
+    listed = "; ".join(f"{c['cause']} (after {c['after_s']:.0f} s{_restart_cost(c)})" for c in causes)
     total = f"; {summary['total_wall_s']:.1f} s in all" if "total_wall_s" in summary else ""
     return f"\n  restarts: {summary['restarts']}" + (f" ({listed})" if listed else "") + total
+
+
+def _restart_cost(cause: dict[str, Any]) -> str:
+    """What one restart cost (train/recovery.py): the failure to the next completed step, and to the step the
+    job had reached."""
+    if cause.get("first_step_s") is None:
+        return ""
+    back = "" if cause.get("back_s") is None else \
+        f", back at step {cause['reached_step']} after {cause['back_s']:.1f} s, {cause['redone_steps']} steps redone"
+    return f"; next step after {cause['first_step_s']:.1f} s{back}"

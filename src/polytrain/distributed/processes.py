@@ -99,15 +99,23 @@ def _cannot_fork() -> str | None:
     return None
 
 
+#: the forkservers that have imported everything and forked a worker (a restart's launch finds its own there)
+_WARM: set[int] = set()
+
+
 def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
     """Start the forkserver (it imports torch first: seconds) in a thread, while this one stays ready to
-    stop: a signal meanwhile ends the launch at once (no worker exists yet) instead of after the import."""
+    stop: a signal meanwhile ends the launch at once (no worker exists yet) instead of after the import. A
+    forkserver already warm (an earlier launch of this process: a restart's) is used as it is."""
     if stop is None or ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 
     # spawned from this (main) thread: the kernel ends the forkserver when the thread that started it ends
     forkserver.ensure_running()
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None and pid in _WARM:
+        return
     done = threading.Event()
 
     def start() -> None:
@@ -120,6 +128,8 @@ def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
     threading.Thread(target=start, name="polytrain-forkserver-start", daemon=True).start()
     while not done.wait(0.05):
         stop.check()
+    if pid is not None:
+        _WARM.add(pid)
 
 
 def _ready() -> None:
@@ -152,6 +162,7 @@ def stop_helper_processes(timeout: float = 5.0, keep: set[int] | frozenset[int] 
         pid, fd = getattr(owner, pid_attr, None), getattr(owner, fd_attr, None)
         if pid is None or fd is None or pid in keep:
             continue
+        _WARM.discard(pid)
         with contextlib.suppress(OSError):
             os.close(fd)  # its end of the "alive" pipe: the helper exits when every copy is closed
         setattr(owner, fd_attr, None)

@@ -298,6 +298,7 @@ def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] |
         err = Exception.__new__(cls)
         Exception.__init__(err, cause.message if world_size == 1 else f"[rank {cause.rank}] {cause.message}")
         err.failed_rank, err.cause = cause.rank, cause.message  # for a restart's log (train/restart.py)
+        err.failed_at = _epoch(cause.at)
         return err
     others = sorted({f.rank for f in failures} - {cause.rank})
     tail = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
@@ -308,7 +309,13 @@ def _root_cause(failures: list[Failure], world_size: int, names: Sequence[str] |
              if expendable and cause.rank not in expendable else "")
     err = errors.WorkerError(f"{name} {verb}{cause.message}{tail}; all workers were stopped{spare}")
     err.failed_rank, err.cause = cause.rank, f"{name} {verb}{cause.message}"  # for a restart's log (train/restart.py)
+    err.failed_at = _epoch(cause.at)  # when the failure was seen (train/recovery.py: what a restart cost)
     return err
+
+
+def _epoch(monotonic: float) -> float:
+    """A ``time.monotonic()`` reading in seconds since the epoch."""
+    return time.time() - (time.monotonic() - monotonic)
 
 
 def _name(names: Sequence[str] | None, rank: int) -> str:

@@ -46,6 +46,7 @@ from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.dirlock import hold
 from polytrain.train.faults import ATTEMPT_ENV
 from polytrain.train.on_failure import continuing
+from polytrain.train.recovery import Recoveries, cost_summary, progress_space
 from polytrain.train.snapshot import check_snapshots, promote, snapshot_space
 from polytrain.train.run import layout_of, run as run_once
 
@@ -75,15 +76,20 @@ def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dic
     # --on-failure continue replaces lost workers (any rank); a restart is for a job that failed all the same
     limit = config.restart.max_restarts if directory or not continuing(config) else 0
     # one run per checkpoint directory, for every attempt (train/dirlock.py); --snapshot-every: the snapshots'
-    with hold(directory), snapshot_space(config) as snapshots:  # place in memory (train/snapshot.py)
+    with hold(directory), snapshot_space(config) as snapshots, \
+            progress_space(bool(limit)) as recoveries:  # place in memory (train/snapshot.py); what restarts cost
         before = _latest_mark(directory)  # a checkpoint already there when this run began is not this run's
         causes: list[dict[str, Any]] = []
         attempt = config
         started = time.monotonic()
         while True:
+            number = len(causes)
             try:
-                with _attempt_env(len(causes)):
-                    summary = run_once(attempt, model=model, data=data, stop=stop)
+                try:
+                    with _attempt_env(number, recoveries):
+                        summary = run_once(attempt, model=model, data=data, stop=stop)
+                finally:  # (however it ended) what the restart that started it cost (train/recovery.py)
+                    _recovered(recoveries.ended(number), config.log.metrics_file)
                 break
             except RESTARTABLE as err:
                 if len(causes) >= limit or stop.requested:  # a failure while stopping ends the run
@@ -91,11 +97,13 @@ def _attempts(config: RunConfig, model: Any, data: Any, stop: StopSignal) -> dic
                         get_logger().error(f"giving up after {limit} restart(s)")
                     raise
                 promote(snapshots, directory, config.checkpoint.keep_checkpoints)  # a newer snapshot: the latest
-                attempt, cause = _next_attempt(config, err, before, len(causes) + 1, time.monotonic() - started)
+                attempt, cause = _next_attempt(config, err, before, number + 1, time.monotonic() - started,
+                                               recoveries)
                 causes.append(cause)
     if summary is not None and limit:
         summary["restarts"] = len(causes)
         summary["restart_causes"] = causes
+        summary["restart_cost_s"] = cost_summary(causes)  # median and spread per restart (train/recovery.py)
         summary["total_wall_s"] = round(time.monotonic() - started, 3)  # every attempt (wall_s: the last one's loop)
     return summary
 
@@ -156,7 +164,7 @@ def _under_torchrun(config: RunConfig, model: Any, data: Any, stop: StopSignal) 
 
 
 def _next_attempt(config: RunConfig, err: Exception, before: tuple[str, int] | None, number: int,
-                  elapsed: float) -> tuple[RunConfig, dict[str, Any]]:
+                  elapsed: float, recoveries: Recoveries) -> tuple[RunConfig, dict[str, Any]]:
     """The config of restart ``number`` and the record of its cause."""
     directory = config.checkpoint.checkpoint_dir
     latest = _latest_mark(directory)
@@ -170,6 +178,7 @@ def _next_attempt(config: RunConfig, err: Exception, before: tuple[str, int] | N
     record = {"restart": number, "cause": cause, "rank": getattr(err, "failed_rank", None),
               "resume_from": latest[0] if resume and latest else None, "after_s": round(elapsed, 3),
               "unix_time": time.time()}  # when every worker was stopped (the goodput benchmark reads it)
+    recoveries.died(record, getattr(err, "failed_at", None) or time.time())  # the step reached (train/recovery.py)
     _append_metrics(config.log.metrics_file, {"event": "restart", **record})
     attempt = copy.deepcopy(config)
     attempt.checkpoint.resume = resume
@@ -198,8 +207,24 @@ def _append_metrics(path: str | None, record: dict[str, Any]) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def _attempt_env(count: int) -> contextlib.AbstractContextManager[None]:
-    """``POLYTRAIN_RESTART_COUNT`` for the workers of one attempt (they inherit the launcher's environment)."""
-    return environment({ATTEMPT_ENV: str(count)})
+def _recovered(record: dict[str, Any] | None, metrics_file: str | None) -> None:
+    """A restart's cost, known once the attempt it started has ended: logged, and a ``recovery`` record."""
+    if record is None:
+        return
+    if record.get("first_step_s") is not None:
+        back = "" if record["back_s"] is None else \
+            f", back at step {record['reached_step']} after {record['back_s']:.1f} s ({record['redone_steps']} redone)"
+        get_logger().info(f"restart {record['restart']}: first step {record['resumed_step'] + 1} done "
+                          f"{record['first_step_s']:.1f} s after the failure{back}")
+    _append_metrics(metrics_file, {"event": "recovery", **{k: record.get(k) for k in _RECOVERY_FIELDS}})
+
+
+_RECOVERY_FIELDS = ("restart", "reached_step", "resumed_step", "redone_steps", "first_step_s", "back_s", "redo_s")
+
+
+def _attempt_env(count: int, recoveries: Recoveries) -> contextlib.AbstractContextManager[None]:
+    """``POLYTRAIN_RESTART_COUNT`` for the workers of one attempt (they inherit the launcher's environment), and
+    the step the job had reached before the restart."""
+    return environment({ATTEMPT_ENV: str(count), **recoveries.environ()})
 
 

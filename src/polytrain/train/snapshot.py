@@ -29,10 +29,10 @@ from polytrain.environ import environment
 from polytrain.errors import ConfigError
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.on_failure import continuing
+from polytrain.train.recovery import memory_directory
 
 #: where the workers of every attempt find the run's snapshot directory (set by the launching process)
 SNAPSHOT_ENV = "POLYTRAIN_SNAPSHOT_DIR"
-_SHM = "/dev/shm"  # the machine's shared memory (a tmpfs); elsewhere the system's temporary directory
 
 
 def check_snapshots(config: Any, elsewhere: bool) -> None:
@@ -57,8 +57,7 @@ def snapshot_space(config: Any) -> Iterator[Path | None]:
     if not config.restart.snapshot_every:
         yield None
         return
-    base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
-    directory = Path(tempfile.mkdtemp(prefix="polytrain-snapshot-", dir=base))
+    directory = Path(tempfile.mkdtemp(prefix="polytrain-snapshot-", dir=memory_directory()))
     try:
         with environment({SNAPSHOT_ENV: str(directory)}):
             yield directory

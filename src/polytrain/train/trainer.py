@@ -47,7 +47,8 @@ from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
 from polytrain.train.metrics import RATE_WINDOW, DivergenceGuard, IntervalMeter, StepMeter, first_divergence
-from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0
+from polytrain.train.faults import InjectedKill, TimedCheckpoints, agree_with_rank0, attempt_number
+from polytrain.train.recovery import StepProgress
 from polytrain.train.straggler import StragglerInjector
 from polytrain.phases import phase
 from polytrain.train.profile import StepProfiler
@@ -78,6 +79,8 @@ class Trainer:
         self.straggler = StragglerInjector(config.straggler.straggler, self.strategy.topology.rank, config.train.seed)
         self.timed = TimedCheckpoints(config.restart.checkpoint_every_seconds, self.topology.is_main)
         self.kill = InjectedKill.from_env(self.strategy.topology.rank)  # tests and benchmarks only
+        # --max-restarts: the attempt's progress, where the launcher reads what a restart cost (train/recovery.py)
+        self.progress = StepProgress.from_env(attempt_number(), self.topology.is_main)
         self.stop = stop if stop is not None else StopSignal()
         self.stopping = self.stop.agreement(self.topology.rank, self.topology.world_size, self.topology.timeout)
         s = self.session  # --profile A-B: a trace and a summary of those steps on every trainer rank
@@ -114,6 +117,8 @@ class Trainer:
             self.writes.wait()  # a checkpoint in flight is whole before the process goes on or ends
             self.snapshot_writes.wait()
             run_log.close()
+            if self.progress is not None:
+                self.progress.close()
             if self.session.stream is not None:  # its reading thread
                 self.session.stream.close()
 
@@ -149,6 +154,7 @@ class Trainer:
         # tensor op; the contexts that label, log or count the step are entered only while they are active (a
         # step of a tiny model takes a millisecond: every call shows). The reads are at log points.
         profiler, devices, memory, straggler, kill = self.profiler, s.devices, self.memory, self.straggler, self.kill
+        progress = self.progress
         log_every, total, histogram_every = cfg.log.log_every, s.total_steps, cfg.log.histogram_every
         eval_every = cfg.train.eval_every if s.data.test is not None else 0
         unwatched = profiler is None and devices.plain  # (then only the memory meter's first steps are watched)
@@ -182,6 +188,8 @@ class Trainer:
                              f"(--log-every {cfg.log.log_every})")
             step = done
             kill.after_step(done)
+            if progress is not None:
+                progress.after_step(done)
             if done % log_every == 0 or done == total:
                 record = self._step_record(done, lr, meter.take_interval())
                 run_log.step(record)
