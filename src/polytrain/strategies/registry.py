@@ -15,6 +15,7 @@ import difflib
 import importlib
 from typing import Any
 
+from polytrain.builtin_strategies import BUILTIN_STRATEGIES
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.parallel.degrees import Degrees, fill_of, given_degrees, resolve
@@ -81,20 +82,6 @@ def declared_class(config: Any, layout: Layout | None = None, processes: int | N
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
-#: polytrain's own strategies: the module that registers each, imported when its name is first looked up (not
-#: by the package's ``__init__``: the strategies import each other's helpers, and importing one first must not
-#: meet another half imported; and a run of ``sync`` need not import pipelining, DTensor and the tracer)
-BUILTIN_STRATEGIES = {
-    "single": "polytrain.strategies.single",
-    "sync": "polytrain.strategies.sync",
-    "local-sgd": "polytrain.strategies.periodic",
-    "diloco": "polytrain.strategies.periodic",
-    "pipeline": "polytrain.parallel.pp.strategy",
-    "hybrid": "polytrain.parallel.pp.strategy",
-    "fsdp": "polytrain.parallel.fsdp",
-    "tp": "polytrain.parallel.tp.strategy",
-    "async": "polytrain.strategies.ps.strategy",
-}
 
 
 #: where each of polytrain's own strategies is declared (:mod:`polytrain.strategies.declared`): light modules,

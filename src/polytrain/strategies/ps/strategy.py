@@ -93,7 +93,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         self.tolerant = bool(self.options.tolerate_worker_loss) and self.ranks.workers > 1
         #: --overlap: the next slice is pulled while this one computes, its push goes behind (refused with
         #: staleness 0 and --tolerate-worker-loss before launch: AsyncDeclared.layout)
-        self.overlap = bool(self.options.overlap) and not self.policy.synchronous and not self.tolerant
+        self._overlap = bool(self.options.overlap) and not self.policy.synchronous and not self.tolerant
         self._slices = 0  # slices this worker computed
         self._role = self.layout.role(topology.rank)
         if self._role != "server":
@@ -109,7 +109,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         n, s = self.ranks.workers, self.ranks.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
-        if self.overlap:
+        if self._overlap:
             text += ("\n  --overlap: each slice's parameters are pulled while the slice before computes, and its "
                      "gradient is pushed without waiting (about one slice staler)")
         if self.tolerant:
@@ -200,7 +200,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         if ticket is None:
             ticket = self._next_slice(step + 1, None)
         while ticket is not None and ticket // n <= step:  # earlier: one a lost worker held (tolerant)
-            if self.overlap:  # the next slice and its values come while this one computes
+            if self._overlap:  # the next slice and its values come while this one computes
                 self.client.prefetch(step + 1)
             if ticket // n == step:
                 piece = self._slice(batch, ticket)
@@ -210,7 +210,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
                 self.clock += 1
             else:
                 pushed = self._compute(ticket)
-            if self.overlap:  # the push goes before the wait: a bounded answer may wait for it
+            if self._overlap:  # the push goes before the wait: a bounded answer may wait for it
                 self._counted(self.client.push_behind, *pushed)
                 ticket = self._next_slice(step + 1, None, fetched=True)
             else:
