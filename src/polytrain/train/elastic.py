@@ -280,8 +280,9 @@ class ElasticRun:
     def _remember(self, strategy: Any) -> None:
         """What a rebuild needs of the strategy that goes away."""
         self._cls = type(strategy)
-        self._options, self._recipe, self._module = strategy.options, strategy.recipe, strategy.module
-        self._healing = strategy.healing
+        self._options, self._recipe = strategy.options, strategy.recipe
+        self._healing = strategy.healing  # a sharded model is built again around a fresh copy, not this one
+        self._module = strategy.module if self._healing is None else None
 
     # -- --log-example-ids --------------------------------------------------------------------------------
 
