@@ -106,7 +106,7 @@ class GoodputBenchConfig:
 
 def continue_available() -> bool:
     """Whether the installed polytrain has ``--on-failure continue``."""
-    help_text = subprocess.run([sys.executable, "-m", "polytrain", "train", "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "polytrain", "train", "--help-all"], capture_output=True,
                                text=True, timeout=120).stdout
     return "--on-failure" in help_text and "continue" in help_text.split("--on-failure", 1)[1][:400]
 
@@ -301,7 +301,8 @@ def describe(cfg: GoodputBenchConfig) -> str:
     return (f"goodput: polytrain train --strategy sync --workers {cfg.workers} --model {cfg.model} --data {cfg.data} "
             f"--batch-size {cfg.batch_size}, each job {cfg.duration:g} s of wall time; a random worker SIGKILLed "
             f"every {cfg.failure_every:g} s ({cfg.kills} kills); --max-restarts with a checkpoint every "
-            f"{cfg.checkpoint_every_seconds:g} s; jobs: {', '.join(cfg.sides)}")
+            f"{cfg.checkpoint_every_seconds:g} s" + (f" and a snapshot every {cfg.snapshot_every} steps"
+                                                    if cfg.snapshot_every else "") + f"; jobs: {', '.join(cfg.sides)}")
 
 
 def format_text(doc: dict[str, Any]) -> str:
