@@ -54,6 +54,14 @@ class PeerLostError(WorkerError):
         self.rank = rank
 
 
+class StateLost(PeerLostError):
+    """``--on-failure continue``: the survivors of a loss do not hold the whole state between them (every worker
+    holding some shard was lost); the job ends, its last checkpoint stands."""
+
+    def __init__(self, message: str):
+        super().__init__(message, rank=None)
+
+
 class CommunicationError(PolytrainError):
     """A collective did not complete: a peer did not arrive within the timeout."""
 

@@ -12,6 +12,8 @@ from tests.helpers.cli_batch import run_here
     (["--staleness", "-1"], "--staleness: must be >= 0, got -1"),
     (["--tolerate-worker-loss", "--workers", "2", "--heartbeat-timeout", "0"], "needs the heartbeat"),
     (["--batch-size", "33", "--workers", "2"], "--batch-size 33 does not divide over 2 workers"),
+    (["--overlap", "--staleness", "0"], "which --staleness 0 forbids"),
+    (["--overlap", "--tolerate-worker-loss", "--workers", "2"], "--tolerate-worker-loss hands a lost worker's"),
 ])
 def test_bad_async_settings_are_one_line_before_anything_starts(capsys, args, message):
     proc = run_here(capsys, "train", "--strategy", "async", "--steps", "1", *args)
@@ -29,12 +31,13 @@ def test_help_says_what_the_batch_size_is_for_async(capsys):
 
 
 def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
-    proc = polytrain("--strategy", "async", "--workers", "2", "--servers", "2", "--staleness", "1", "--model",
-                     "mlp:hidden=16", "--steps", "12", "--batch-size", "32", "--progress", "lines", "--timeout",
-                     "60", env=cli_env)
+    proc = polytrain("--strategy", "async", "--workers", "2", "--servers", "2", "--staleness", "1", "--overlap",
+                     "--model", "mlp:hidden=16", "--steps", "12", "--batch-size", "32", "--progress", "lines",
+                     "--timeout", "60", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
     assert ("async: 2 worker(s) (ranks 0-1) + 2 parameter server(s) (ranks 2-3), staleness bound 1" in out)
+    assert "--overlap: each slice's parameters are pulled while the slice before computes" in out
     assert ("--batch-size 32 counts one step: 2 slices of 16 examples, handed to whichever worker is free, each "
             "applied alone at lr/2") in out
     assert "done: 12 steps" in out and "with async on 2 worker(s)" in out

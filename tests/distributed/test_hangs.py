@@ -20,9 +20,8 @@ from polytrain.distributed.hangs import REPORT_FILE, RUN_DIR_ENV, behind, report
 from polytrain.errors import WorkerError
 from tests.helpers.procs import leftover_children
 
-pytestmark = pytest.mark.serial  # a heartbeat bound of 2.5 s: alone under pytest -n (make test)
-
-BOUND = 2.5  # --heartbeat-timeout of these tests (tests/distributed/test_heartbeat.py says why not less)
+BOUND = 4.0  # --heartbeat-timeout of these tests: held beside the other pytest-xdist worker and a CPU burner, so they
+# need not run alone (tests/distributed/test_heartbeat.py says why not less)
 FREEZE_AFTER = 1.5  # rank 1 waits this long inside the all-reduce (its heartbeat publishes it) before it freezes
 
 

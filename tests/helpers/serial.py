@@ -1,7 +1,7 @@
 """Tests that run alone while the suite runs on several pytest-xdist workers (``make test``: ``pytest -n 2``).
 
-A test marked ``serial`` (today: the network lab's rate test, the hang report's and async
---tolerate-worker-loss's modules) runs while no other test runs, and the other worker idles meanwhile: keep it for
+A test marked ``serial`` (today: the network lab's rate test and async
+--tolerate-worker-loss's module) runs while no other test runs, and the other worker idles meanwhile: keep it for
 what needs the machine to itself. A heartbeat
 bound of 3-4 s (tests/distributed/test_heartbeat.py) holds beside the other worker and a CPU burner, and a test
 that waits for a detected event can give it a wide bound: neither needs the mark.

@@ -218,7 +218,7 @@ PROTOCOL = {
     "state_dict", "load_state_dict", "local_state",  # the whole model's state, and this rank's own
     "name", "summary", "config_section", "traits",  # declared by the class
     "options", "topology", "trainers", "model", "optimizer", "recipe", "traffic", "amp", "phase",  # set up
-    "own_loop", "out_of_order", "rebalancing", "sharded_state", "held_state",  # capabilities
+    "own_loop", "out_of_order", "rebalancing", "sharded_state", "held_state", "healing",  # capabilities
 }
 
 #: the public names a strategy class (or a mixin of it) adds of its own: no code outside it calls them (train/

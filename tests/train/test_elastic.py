@@ -127,7 +127,8 @@ def test_a_killed_worker_is_left_behind_then_replaced_and_the_run_equals_4_then_
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(strategy="fsdp"), "--strategy fsdp keeps each parameter and optimizer shard on one worker only"),
+    (dict(strategy="fsdp"), "--strategy fsdp keeps each parameter and optimizer shard on one worker only without "
+                            "--dp-replicate, so a dead worker.s shards are gone; add --dp-replicate 2"),
     (dict(strategy="pipeline"), "--strategy pipeline does not keep a whole replica of the model and optimizer"),
     (dict(strategy="sync", comm="shm"), "--comm shm cannot be rebuilt over the survivors"),
     (dict(strategy="sync", balance="on"), "--balance on is not supported"),

@@ -15,6 +15,7 @@ import os
 import sys
 
 from polytrain.cli.starting import answer_while_starting, starting_done
+from polytrain.distributed.prestart import prestart
 
 
 def main() -> int:
@@ -23,6 +24,7 @@ def main() -> int:
     mark(process_started_at())  # the summary's startup_s counts from here (imports included)
     answer_while_starting()
     try:
+        prestart(sys.argv[1:])  # the workers' forkserver imports torch while this process does (train)
         light = _light_command(sys.argv[1:])
         if light is None:
             from polytrain.cli.main import main as command

@@ -20,6 +20,7 @@ from polytrain.cli import tokenize as tokenize_cmd
 from polytrain.cli import train as train_cmd
 from polytrain.cli.main_light import Parser
 from polytrain.cli.starting import starting_done
+from polytrain.distributed.prestart import prestarted_pids
 from polytrain.distributed.processes import helper_processes, stop_helper_processes
 from polytrain.train.startup import run_environment
 from polytrain.distributed.stop import StopNow, exit_code
@@ -49,11 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    found = helper_processes()  # (called inside a longer program: its own helpers are left running)
+    # (called inside a longer program: its own helpers are left running; not the forkserver this command started)
+    found = helper_processes() - prestarted_pids()
     parser = build_parser()
     args = None
     try:
         args = parser.parse_args(argv)
+    except BaseException:  # (a usage error: argparse's SystemExit)
+        stop_helper_processes(keep=found)
+        raise
     finally:  # a command that answers stop signals itself takes them over from the entry point's handlers
         if not getattr(args, "answers_stop_signals", False):
             starting_done()

@@ -21,7 +21,10 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
     sys.stderr.write(f"polytrain: stopped by {signal.Signals(signum).name} while starting; nothing was started, "
                      "nothing is lost\n")
     sys.stderr.flush()
-    os._exit(75)  # nothing to clean up yet: only imports have run
+    from polytrain.distributed.prestart import stop_prestarted
+
+    stop_prestarted()  # the workers' forkserver, if this command started it (distributed/prestart.py)
+    os._exit(75)  # nothing else to clean up yet: only imports have run
 
 
 def answer_while_starting() -> None:

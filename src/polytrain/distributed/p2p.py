@@ -66,12 +66,21 @@ class Channel:
         Posting all at once is what keeps ranks that talk to several peers from waiting on each other in a
         cycle: a peer's send to us completes as soon as it is posted on its side, whatever we wait on first.
         """
+        self.complete(self.post(sends=sends, recvs=recvs))
+
+    def post(self, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> list[tuple[Any, str]]:
+        """Post every receive, then every send, and return at once: :meth:`complete` waits for them (the
+        tensors must stay untouched until then). :meth:`exchange` is both."""
         works = [(dist.irecv(t, group=self.group, group_src=src, tag=tag), f"waiting for {self.names(src)}")
                  for t, src, tag in recvs]
         works += [(dist.isend(t, group=self.group, group_dst=dst, tag=tag), f"sending to {self.names(dst)}")
                   for t, dst, tag in sends]
+        return works
+
+    def complete(self, posted: Sequence[tuple[Any, str]]) -> None:
+        """Wait for what :meth:`post` posted, all within one timeout from now."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        for work, doing in works:
+        for work, doing in posted:
             self._wait(work, doing, deadline)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, expected: str) -> torch.Tensor:

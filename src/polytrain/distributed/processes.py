@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from polytrain.distributed.prestart import PRELOAD, prestarted
 from polytrain.distributed.stop import StopSignal
 from polytrain.errors import ConfigError
 
@@ -26,12 +27,6 @@ from polytrain.errors import ConfigError
 #: (:func:`start_context` picks it there on its own)
 START_METHODS = ("forkserver", "spawn", "fork")
 
-
-#: what the forkserver imports once, so that no worker imports it again: torch._dynamo too (a torch optimizer
-#: imports it when the first one is made: 800 modules, seconds of CPU in every worker otherwise); and polytrain's
-#: own strategy modules that the launching process has imported (:func:`start_context`)
-_PRELOAD = ["polytrain.distributed.forkserver_init", "torch", "torch.distributed", "torch._dynamo",
-            "polytrain.distributed.worker", "polytrain.train.trainer"]
 
 
 def start_context(job: Any = None) -> Any:
@@ -53,8 +48,12 @@ def start_context(job: Any = None) -> Any:
         raise ConfigError(f"POLYTRAIN_START_METHOD=fork: this process cannot fork its workers ({why}); unset it")
     ctx = mp.get_context(method)
     if method == "forkserver":
+        wanted = [*PRELOAD, *strategy_modules()]
+        early = prestarted(_forkserver_pid())  # started at the command's first moment (distributed/prestart.py)
+        if early is not None and not set(wanted) <= early:  # the guess missed a module: a forkserver as always
+            stop_helper_processes(keep=helper_processes() - {_forkserver_pid()})
         # (only read when the forkserver starts: once per launcher process)
-        ctx.set_forkserver_preload([*_PRELOAD, *strategy_modules()])
+        ctx.set_forkserver_preload(wanted)
     return ctx
 
 
@@ -113,7 +112,7 @@ def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
 
     # spawned from this (main) thread: the kernel ends the forkserver when the thread that started it ends
     forkserver.ensure_running()
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = _forkserver_pid()
     if pid is not None and pid in _WARM:
         return
     done = threading.Event()
@@ -130,6 +129,12 @@ def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
         stop.check()
     if pid is not None:
         _WARM.add(pid)
+
+
+def _forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 
 def _ready() -> None:

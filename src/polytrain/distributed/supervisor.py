@@ -50,7 +50,7 @@ class Failure:
 
     def ends_job(self, expendable: frozenset[int]) -> bool:
         """Whether this reports the loss of a rank (or of the store) the job cannot go on without."""
-        return self.error_class == "PeerLostError" and self.lost_rank not in expendable
+        return self.error_class in ("PeerLostError", "StateLost") and self.lost_rank not in expendable
 
     def priority(self) -> int:
         """Lower is more likely the root cause."""

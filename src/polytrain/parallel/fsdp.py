@@ -41,6 +41,7 @@ from polytrain.models.deferred import (describe_whole_build, is_deferred, materi
                                        weights_of)
 from polytrain.models.parts import retie, unit_groups, units
 from polytrain.strategies.held import HeldState
+from polytrain.train.heal import HEALED_ATTR, Healing
 
 
 @register_strategy
@@ -67,6 +68,8 @@ class FullyShardedDataParallel(FsdpDeclared, Strategy):
         return model  # unit by unit in _wrap, each sharded before the next is made
 
     def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.layout.expendable and self.topology.axis_size("tp") == 1:  # --on-failure continue (train/heal.py)
+            self.healing = Healing(model, self.layout, self.topology.rank)
         if not self.topology.distributed:
             self.held_state = HeldState(self)
             return materialize_all(model).to(self.topology.device)
@@ -229,7 +232,7 @@ def shard_model(model: nn.Module, topology: Any, mesh: Any, reshard: bool = True
     elif is_deferred(model):  # each unit made whole, sharded, then the next: never more than one whole unit
         materialize(model, device, then=shard)
     else:
-        if topology.is_main:
+        if topology.is_main and not getattr(model, HEALED_ATTR, False):  # (a heal's rebuild: whole on purpose)
             get_logger().warning(describe_whole_build(model, type(model).__name__))
         model = model.to(device)
         for group in unit_groups(units(model)):  # units sharing a tensor (tied weights): one shard group

@@ -31,8 +31,9 @@ class FsdpDeclared(Declared):
     # then sharded (FSDP x TP, 2-D), reading --tp-plan
     traits = Traits(exchange="sync", meeting="gradients averaged every step", fills="dp_shard",
                     cuts=("dp_shard", "tp"), own_precision=("bf16-mixed",), reads=("tp",),
-                    lost_worker="keeps each parameter and optimizer shard on one worker only, so a dead worker's "
-                                "shards are gone")
+                    lost_worker="keeps each parameter and optimizer shard on one worker only without "
+                                "--dp-replicate, so a dead worker's shards are gone",
+                    replicas_heal=True)
 
     @classmethod
     def layout(cls, workers: int | None, options: Any = None) -> Layout:

@@ -2,10 +2,8 @@
 ``hybrid`` and ``tp`` (the registry imports them when a name is first looked up, so importing one strategy's module
 first never meets a half-imported other); the protocol is :mod:`polytrain.strategies.base`."""
 
+from polytrain.builtin_strategies import DEFAULT_STRATEGY
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.registry import available_strategies, get_strategy, register_strategy
-
-#: what ``polytrain train`` uses without --strategy
-DEFAULT_STRATEGY = "sync"
 
 __all__ = ["DEFAULT_STRATEGY", "Strategy", "available_strategies", "get_strategy", "register_strategy"]

@@ -30,6 +30,10 @@ trainer asks for instead of asking which strategy it has or what role a rank pla
   (``held_state.load(checkpoint)``, :mod:`polytrain.strategies.held`; ``held_state.by_rows`` False: rank 0 reads
   and hands the state on, as ``sync`` does), and ``--save-model DIR`` is written from it
   one tensor at a time (:mod:`polytrain.weights.save`).
+* :attr:`healing`: under ``--on-failure continue``, a lost rank's shards are taken from a replica peer and the
+  strategy is built again around the whole state (``fsdp --dp-replicate 2``): ``healing.piece(local_state)``
+  (this rank's rows, with its shard index) and ``healing.module(whole)`` (the plain model holding it), used by
+  :mod:`polytrain.train.heal`.
 
 The base class is the single-process, data-parallel-ready behaviour; ``single`` is it unchanged and ``sync``
 overrides the exchange (the protected hooks ``_wrap``, ``_grad_sync``, ``_backward``, ``_optimizer_step``).
@@ -96,6 +100,16 @@ class HeldState(Protocol):
         this rank holds."""
 
 
+class Healing(Protocol):
+    """This rank's shards, healed from a replica peer when a rank is lost (:mod:`polytrain.train.heal`)."""
+
+    def piece(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's rows of ``state`` (its :meth:`Strategy.local_state`), copied, with its shard index."""
+
+    def module(self, whole: dict[str, Any]) -> nn.Module:
+        """The plain model as it came to ``prepare``, holding the model tensors of the whole state ``whole``."""
+
+
 class Rebalancing(Protocol):
     """Slices of each global batch sized by the workers' measured speed."""
 
@@ -139,6 +153,7 @@ class Strategy:
         self.rebalancing: Rebalancing | None = None
         self.sharded_state: ShardedState | None = None
         self.held_state: HeldState | None = None
+        self.healing: Healing | None = None
 
     # -- before anything starts ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import difflib
 import importlib
 from typing import Any
 
+from polytrain.builtin_strategies import BUILTIN_STRATEGIES
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError
 from polytrain.parallel.degrees import Degrees, fill_of, given_degrees, resolve
@@ -33,7 +34,11 @@ def degrees_of(cls: type[Declared], workers: int | None, options: Any = None) ->
 def mesh_layout(cls: type[Declared], workers: int | None, options: Any = None, meets_every: int = 1) -> Layout:
     """The layout of a strategy of the mesh: one trainer rank per point of ``dp_replicate x dp_shard x pp x
     tp``, run by the class of its exchange that cuts a replica as the degrees say (:func:`runner_for`)."""
-    degrees = degrees_of(cls, workers, options)
+    return degrees_layout(cls, degrees_of(cls, workers, options), meets_every)
+
+
+def degrees_layout(cls: type[Declared], degrees: Degrees, meets_every: int = 1) -> Layout:
+    """The layout of ``degrees`` for ``--strategy cls.name`` (:func:`mesh_layout`'s, the degrees given)."""
     runner = runner_for(cls, degrees)
     return Layout(runner.name, ("trainer",) * degrees.world, degrees.axes(), degrees.dp, meets_every=meets_every,
                   named=cls.name if runner is not cls else "")
@@ -77,20 +82,6 @@ def declared_class(config: Any, layout: Layout | None = None, processes: int | N
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
-#: polytrain's own strategies: the module that registers each, imported when its name is first looked up (not
-#: by the package's ``__init__``: the strategies import each other's helpers, and importing one first must not
-#: meet another half imported; and a run of ``sync`` need not import pipelining, DTensor and the tracer)
-BUILTIN_STRATEGIES = {
-    "single": "polytrain.strategies.single",
-    "sync": "polytrain.strategies.sync",
-    "local-sgd": "polytrain.strategies.periodic",
-    "diloco": "polytrain.strategies.periodic",
-    "pipeline": "polytrain.parallel.pp.strategy",
-    "hybrid": "polytrain.parallel.pp.strategy",
-    "fsdp": "polytrain.parallel.fsdp",
-    "tp": "polytrain.parallel.tp.strategy",
-    "async": "polytrain.strategies.ps.strategy",
-}
 
 
 #: where each of polytrain's own strategies is declared (:mod:`polytrain.strategies.declared`): light modules,

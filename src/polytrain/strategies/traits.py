@@ -31,6 +31,9 @@ class Traits:
     #: why the survivors of a lost worker cannot go on without it under ``--on-failure continue``; None where
     #: they can (each rank a whole replica of the model and optimizer, the exchange rebuilt over fewer ranks)
     lost_worker: str | None = NOT_WHOLE
+    #: where ``lost_worker`` is not None: with ``--dp-replicate`` >= 2 a lost rank's shards are taken from the rank
+    #: of the same shard index in another replica, so the survivors go on (``fsdp``: HSDP; :mod:`polytrain.train.heal`)
+    replicas_heal: bool = False
     #: a model from any factory comes to ``prepare`` on the meta device, each rank making only its part
     #: (:mod:`polytrain.models.replay`)
     builds_part: bool = False

@@ -53,7 +53,8 @@ from polytrain.distributed.elastic import Generation, Membership, MembershipErro
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger, setup_logging
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
-from polytrain.train.on_failure import continuing, expendable
+from polytrain.train.heal import heal
+from polytrain.train.on_failure import continuing, expendable, members_layout
 
 #: for tests: replacements are admitted at the first step boundary from this step on, which waits for one
 JOIN_AT_ENV = "POLYTRAIN_INJECT_JOIN_AT"
@@ -172,7 +173,11 @@ class ElasticRun:
         self.snapshot = None if strategy.layout.meets_every == 1 else _clone(local_state(strategy))
 
     def _committed_state(self, strategy: Any) -> dict[str, Any]:
-        return self.snapshot if self.snapshot is not None else _clone(local_state(strategy))
+        if self.snapshot is not None:
+            return self.snapshot
+        if strategy.healing is not None:  # this rank's shards, to heal the others' from (train/heal.py)
+            return strategy.healing.piece(local_state(strategy))
+        return _clone(local_state(strategy))
 
     # -- a change of membership ---------------------------------------------------------------------------
 
@@ -197,7 +202,8 @@ class ElasticRun:
         at = os.environ.get(JOIN_AT_ENV)
         generation = self.membership.change(self.committed, cut=failed,
                                             admit=at is None or self.committed >= int(at))
-        strategy = self._rebuild()
+        # a sharded model is built again around a fresh copy (its old one is sharded over the old group)
+        strategy = self._rebuild(self._healing.module() if self._healing is not None else None)
         self._receive_into(strategy, generation, state)
         self._carry = None
         self._keep(strategy)
@@ -223,17 +229,18 @@ class ElasticRun:
                                  f"workers from step {generation.step} (agreed and rebuilt in {seconds:.2f} s; "
                                  "nothing read from disk)")
 
-    def _rebuild(self) -> Any:
+    def _rebuild(self, module: Any = None) -> Any:
         """This rank's strategy again, over the new generation's group, around the same module: built as at a
         start (:func:`~polytrain.train.session.make_strategy`, :func:`~polytrain.train.session.prepare_strategy`)."""
         from polytrain.train.session import make_strategy, prepare_strategy, run_lr
 
         s = self.session
         topology = self.membership.topology()
-        layout = expendable(self._cls.layout(topology.world_size, self._options))
+        layout = members_layout(self._cls, topology.world_size, self.membership.launched, self._options)
         strategy = make_strategy(s.config, topology, layout)
         lr = run_lr(s.config, s.plan.global_batch)
-        prepare_strategy(strategy, self._module, s.config, self._recipe, s.devices, lr)
+        prepare_strategy(strategy, module if module is not None else self._module, s.config, self._recipe, s.devices,
+                         lr)
         self._use(strategy)
         return strategy
 
@@ -253,9 +260,11 @@ class ElasticRun:
 
     def _receive_into(self, strategy: Any, generation: Generation, mine: dict[str, Any] | None = None) -> None:
         """Load the state to continue from: this rank's own, or (a replacement, a rank behind) the source's,
-        broadcast over the new group."""
+        broadcast over the new group; a sharded model's, put together from the members' shards."""
         trainers, slot = strategy.trainers, self.membership.slot
-        if generation.anyone_needs_state:
+        if strategy.healing is not None:  # the whole state from the members' shards (train/heal.py)
+            state = heal(trainers, generation.step, dict(generation.committed).get(slot), mine)
+        elif generation.anyone_needs_state:
             sent = trainers.broadcast_object(mine if trainers.rank == generation.source() else None,
                                              generation.source())
             state = sent if generation.needs_state(slot) else mine
@@ -272,6 +281,7 @@ class ElasticRun:
         """What a rebuild needs of the strategy that goes away."""
         self._cls = type(strategy)
         self._options, self._recipe, self._module = strategy.options, strategy.recipe, strategy.module
+        self._healing = strategy.healing
 
     # -- --log-example-ids --------------------------------------------------------------------------------
 
@@ -338,10 +348,12 @@ def before_build(config: Any, layout: Any, membership: Membership | None) -> tup
         return config, layout
     os.environ.pop(KILL_ENV, None)  # the testing hook's kill was the replaced worker's, not its replacement's
     from polytrain.strategies import get_strategy
+    from polytrain.strategies.registry import strategy_class
     from polytrain.train.session import strategy_options
 
-    cls = get_strategy(config.train.strategy)
-    members = cls.layout(len(membership.generation.slots), strategy_options(config, cls))
+    cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
+    members = members_layout(cls, len(membership.generation.slots), membership.launched,
+                             strategy_options(config, cls))
     layout = expendable(replace(members, slices=layout.slices) if layout is not None else members)
     if config.checkpoint.resume:
         config = copy.deepcopy(config)

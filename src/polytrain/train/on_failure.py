@@ -5,7 +5,9 @@ checkpoint. ``continue``: the survivors agree on who is left, make a new process
 on from the current step with the same global batch cut into fewer slices; with ``--max-restarts R`` the
 launcher starts a replacement for each lost worker (up to R), which the others admit at a step boundary and
 hand the model, the optimizer and the data position over the process group (:mod:`polytrain.train.elastic`,
-:mod:`polytrain.distributed.elastic`).
+:mod:`polytrain.distributed.elastic`). ``fsdp`` with ``--dp-replicate 2`` or more goes on too, a lost rank's
+shards taken from its peer in another replica (:mod:`polytrain.train.heal`), in the layout :func:`members_layout`
+gives.
 
 This module holds the option, the checks made before anything starts, and the launch settings that follow.
 """
@@ -28,9 +30,10 @@ CHOICES = ("stop", "continue")
 @dataclass
 class OnFailureConfig:
     on_failure: str = option("stop", "when a worker dies: stop (every worker; --max-restarts starts the job again "
-                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco, with "
-                                     "--workers N on one machine: when any worker dies, rank 0 included, the others "
-                                     "go on from the current step with the same global batch over fewer workers, "
+                                     "from its latest checkpoint) or continue (sync, local-sgd, diloco, and "
+                                     "fsdp with --dp-replicate 2 or more, whose lost shards are taken from a "
+                                     "replica; with --workers N on one machine: when any worker dies, rank 0 "
+                                     "included, the others go on from the current step with the same global batch over fewer workers, "
                                      "the lowest surviving rank logging, evaluating and saving; with "
                                      "--max-restarts R a replacement joins, up to R times)", choices=CHOICES)
 
@@ -47,9 +50,17 @@ def check_on_failure(config: Any, layout: Any) -> None:
     from polytrain.strategies.registry import declared_class
 
     strategy = declared_class(config, layout)  # (the class that runs the degrees: sync --dp-shard 2 is fsdp's)
-    if strategy.traits.lost_worker is not None:
+    traits = strategy.traits
+    if traits.lost_worker is not None and not heals(traits, layout):
+        if traits.replicas_heal and layout.axis("dp_replicate") > 1:
+            more = " ".join(f"--{axis.replace('_', '-')} {size}" for axis, size in _beyond_shards(layout))
+            raise ConfigError(f"--on-failure continue: --strategy {strategy.name} with {more}: a lost rank's "
+                              f"tensor-parallel pieces are not taken from its replica peer; drop {more.split()[0]}, "
+                              "or use --on-failure stop with --max-restarts and checkpoints")
         supported = [name for name in available_strategies() if get_declared(name).traits.lost_worker is None]
-        raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {strategy.traits.lost_worker}; use "
+        add = "add --dp-replicate 2 (each shard on two workers: a lost one's are taken from its peer), or " \
+            if traits.replicas_heal else ""
+        raise ConfigError(f"--on-failure continue: --strategy {strategy.name} {traits.lost_worker}; {add}use "
                           f"--on-failure stop with --max-restarts and checkpoints, or --strategy "
                           f"{' | '.join(supported)}")
     if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
@@ -72,6 +83,38 @@ def check_on_failure(config: Any, layout: Any) -> None:
     if config.launch.heartbeat_timeout <= 0:
         raise ConfigError("--on-failure continue needs the heartbeat (--heartbeat-timeout > 0): a worker that "
                           "stops answering is found by it")
+
+
+def heals(traits: Any, layout: Any) -> bool:
+    """Whether a lost rank's shards are taken from its replica peer (``fsdp --dp-replicate 2``, not cut further)."""
+    return traits.replicas_heal and layout.axis("dp_replicate") > 1 and not _beyond_shards(layout)
+
+
+def _beyond_shards(layout: Any) -> list[tuple[str, int]]:
+    """The layout's axes that cut a replica besides ``dp_shard`` (``--tp``)."""
+    return [(axis, size) for axis, size in layout.axes if size > 1 and axis not in ("dp_replicate", "dp_shard")]
+
+
+def members_layout(cls: Any, members: int, launched: int, options: Any) -> Any:
+    """The layout of ``members`` ranks after a membership change of a job launched with ``launched`` workers
+    (``cls``: the class that runs its degrees, with its options).
+
+    Whole replicas: the class's layout for ``members`` workers. Shards healed from replicas (``fsdp
+    --dp-replicate R --dp-shard S``): ``--dp-shard S`` kept and ``--dp-replicate members / S`` where ``S``
+    divides ``members`` (so a replacement that makes the launch's number again brings the launch's layout back),
+    else one replica sharded over all ``members`` (``--dp-replicate 1 --dp-shard members``), whose next loss
+    cannot be healed (:mod:`polytrain.train.heal`)."""
+    from polytrain.parallel.degrees import Degrees
+    from polytrain.strategies.registry import degrees_layout
+
+    if not cls.traits.replicas_heal:
+        return expendable(cls.layout(members, options))
+    at_launch = cls.layout(launched, options)
+    if members == launched:
+        return expendable(at_launch)
+    shard = at_launch.axis("dp_shard")
+    replicas, shard = (members // shard, shard) if members % shard == 0 else (1, members)
+    return expendable(degrees_layout(cls, Degrees(dp_replicate=replicas, dp_shard=shard), at_launch.meets_every))
 
 
 def launch_settings(config: Any, layout: Any) -> tuple[Any, Any]:

@@ -101,14 +101,18 @@ def test_async_learns_the_digits(tmp_path, workers, servers):
 
 def test_a_slow_worker_computes_fewer_slices_and_every_slice_is_applied_once(tmp_path):
     """Slices go to whichever worker asks: with rank 1 made 20x slower, rank 0 computes most of them, and
-    the servers still apply each of the 2 x 30 slices exactly once."""
-    summary = polytrain.fit(**{**COMMON, "eval_every": 0}, strategy="async", workers=2, steps=30,
-                            straggler=["1:20"], log_every=10, metrics_file=str(tmp_path / "m.jsonl"))
+    the servers still apply each of the 2 x 30 slices exactly once. With --overlap (each slice's values pulled
+    while the one before computes, pushes in flight) under --staleness 1: no applied gradient is staler."""
+    summary = polytrain.fit(**{**COMMON, "eval_every": 0}, strategy="async", workers=2, steps=30, overlap=True,
+                            staleness=1, straggler=["1:20"], log_every=10, metrics_file=str(tmp_path / "m.jsonl"))
     fast, slow = summary["slices_per_worker"]
     assert fast + slow == 60 and summary["gradients_applied"] == 60
     assert summary["duplicate_pushes_ignored"] == 0
     assert fast > slow
-    per_rank = [sum(s["rank_batch"][r] for s in _events(tmp_path / "m.jsonl", "step")) for r in (0, 1)]
+    assert summary["staleness_max"] <= 1 and sum(summary["staleness_histogram"].values()) == 60
+    steps = _events(tmp_path / "m.jsonl", "step")
+    assert all(max(s["rank_staleness_max"]) <= 1 for s in steps)
+    per_rank = [sum(s["rank_batch"][r] for s in steps) for r in (0, 1)]
     assert per_rank[0] > per_rank[1]  # the step records show the same split
 
 

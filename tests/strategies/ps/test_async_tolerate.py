@@ -3,7 +3,8 @@
 A helper is killed with ``POLYTRAIN_INJECT_KILL`` (SIGKILL after it computed a slice of a given step, before
 it pushes it): the slice it held must go to another worker. What is checked comes from the servers' records
 and the saved model, not from timing: every slice of every step applied exactly once, the run's step count,
-the lost worker named, a model that learnt. The heartbeat bound is short (1.5 s) so each run stays short.
+the lost worker named, a model that learnt. The heartbeat bound (4 s) holds beside the other pytest-xdist worker
+and a CPU burner (tests/distributed/test_heartbeat.py), so the module need not run alone.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import torch
 import polytrain
 from polytrain.errors import ConfigError, PolytrainError
 
-pytestmark = pytest.mark.serial  # a heartbeat bound of 1.5 s: alone under pytest -n (make test)
-
 STEPS = 40
 COMMON = dict(strategy="async", model="mlp:hidden=32", data="digits", batch_size=48, lr=0.1, seed=5,
-              progress="off", eval_every=20, timeout=60, heartbeat_timeout=1.5, tolerate_worker_loss=True,
+              progress="off", eval_every=20, timeout=60, heartbeat_timeout=4.0, tolerate_worker_loss=True,
               steps=STEPS)
 
 

@@ -1,5 +1,5 @@
-"""``async``'s settings (``--servers``, ``--staleness``, ``--tolerate-worker-loss``) and ``async`` as declared
-(:mod:`polytrain.strategies.declared`): imported by the command line without :mod:`.strategy`."""
+"""``async``'s settings (``--servers``, ``--staleness``, ``--overlap``, ``--tolerate-worker-loss``) and ``async``
+as declared (:mod:`polytrain.strategies.declared`): imported by the command line without :mod:`.strategy`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytrain.distributed.layout import Layout
+from polytrain.errors import ConfigError
 from polytrain.options import option, register_section
 from polytrain.strategies.declared import DEFAULT_WORKERS, Declared
 from polytrain.strategies.ps.ranks import Ranks
@@ -24,6 +25,10 @@ class AsyncConfig:
     staleness: int | None = option(None, "async: no worker starts step c+K+1 before every worker finished step c "
                                          "(0: bulk synchronous; leave out for fully asynchronous)", minimum=0,
                                    metavar="K")
+    overlap: bool = option(False, "async: pull the next slice's parameters while this slice computes and push "
+                                  "its gradient without waiting (one push in flight): hides the exchange, and "
+                                  "every gradient is about one slice staler (lower the momentum). Not with "
+                                  "--staleness 0 or --tolerate-worker-loss")
     tolerate_worker_loss: bool = option(False, "async: go on without workers 1..N-1 if they die (their slices "
                                                "go to the others); worker 0 alone logs, evaluates and saves, and "
                                                "the servers must live")
@@ -44,6 +49,12 @@ class AsyncDeclared(Declared):
         trainer's loop and workers 1..N-1 are helpers the job may lose."""
         opts = options if options is not None else AsyncConfig()
         runner_for(cls, degrees_of(cls, workers, options))  # whole replicas only: one line for a cut one
+        if opts.overlap and (opts.staleness == 0 or opts.tolerate_worker_loss):
+            raise ConfigError("--overlap reads the next slice's parameters before this slice's gradient is applied, "
+                              + ("which --staleness 0 forbids (every slice of a step on the same parameters); use "
+                                 "--staleness 1 or more, or drop --overlap" if opts.staleness == 0 else
+                                 "and --tolerate-worker-loss hands a lost worker's slices out again one at a time; "
+                                 "drop one of them"))
         ranks = Ranks(workers or DEFAULT_WORKERS, opts.servers)
         n = ranks.workers
         tolerant = bool(opts.tolerate_worker_loss) and n > 1

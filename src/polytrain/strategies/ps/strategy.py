@@ -91,6 +91,9 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         self._ahead_loaded = False  # whether the model holds the values pulled for it
         self._global_batch = 0
         self.tolerant = bool(self.options.tolerate_worker_loss) and self.ranks.workers > 1
+        #: --overlap: the next slice is pulled while this one computes, its push goes behind (refused with
+        #: staleness 0 and --tolerate-worker-loss before launch: AsyncDeclared.layout)
+        self._overlap = bool(self.options.overlap) and not self.policy.synchronous and not self.tolerant
         self._slices = 0  # slices this worker computed
         self._role = self.layout.role(topology.rank)
         if self._role != "server":
@@ -106,6 +109,9 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         n, s = self.ranks.workers, self.ranks.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
+        if self._overlap:
+            text += ("\n  --overlap: each slice's parameters are pulled while the slice before computes, and its "
+                     "gradient is pushed without waiting (about one slice staler)")
         if self.tolerant:
             text += (f"\n  --tolerate-worker-loss: {_ranks(1, n)} may be lost (their slices go to the others); "
                      "worker 0 logs its own slices' loss and evaluates alone")
@@ -194,6 +200,8 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         if ticket is None:
             ticket = self._next_slice(step + 1, None)
         while ticket is not None and ticket // n <= step:  # earlier: one a lost worker held (tolerant)
+            if self._overlap:  # the next slice and its values come while this one computes
+                self.client.prefetch(step + 1)
             if ticket // n == step:
                 piece = self._slice(batch, ticket)
                 losses.append(self._gradient(piece))
@@ -202,7 +210,11 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
                 self.clock += 1
             else:
                 pushed = self._compute(ticket)
-            ticket = self._next_slice(step + 1, pushed)  # carries this slice's push
+            if self._overlap:  # the push goes before the wait: a bounded answer may wait for it
+                self._counted(self.client.push_behind, *pushed)
+                ticket = self._next_slice(step + 1, None, fetched=True)
+            else:
+                ticket = self._next_slice(step + 1, pushed)  # carries this slice's push
         if ticket is not None and ticket // n != step + 1:
             raise CommunicationError(f"{self.ranks.name(self.topology.rank)} got slice {ticket} of step "
                                      f"{ticket // n} while at step {step}: the workers' steps disagree")
@@ -233,8 +245,10 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         self._counted(self.client.pull, step)
 
     def _next_slice(self, step: int, pushed: tuple[int, float | None, int] | None,
-                    wait: bool = False) -> int | None:
-        ticket = self._counted(self.client.next_slice, step, pushed, wait)
+                    wait: bool = False, fetched: bool = False) -> int | None:
+        """The next slice (its values loaded), asked for now or (``fetched``) by the prefetch."""
+        ticket = self._counted(self.client.fetched) if fetched else self._counted(self.client.next_slice, step,
+                                                                                   pushed, wait)
         if ticket is not None:
             self._window.add(self.client.last_staleness)
             self._slices += 1
