@@ -282,8 +282,11 @@ def run_suite(cfg: GoodputBenchConfig, progress: Callable[[str], None] = lambda 
 def lost_time(r: dict[str, Any]) -> None:
     """A second reading, from within the job alone (so not moved by a load that changed between jobs): the
     seconds its failures cost (each kill until the job was back at the step it had reached) and the share of
-    its training time (from its first step) they leave."""
-    costs = [k["back_after_s"] for k in r["kills"] if k.get("back_after_s") is not None]
+    its training time (from its first step) they leave. A kill the job never came back from costs the time until
+    the next kill, or the job's end."""
+    ends = [k["at_s"] for k in r["kills"][1:]] + [r["wall_s"]]
+    costs = [k["back_after_s"] if k.get("back_after_s") is not None else end - k["at_s"]
+             for k, end in zip(r["kills"], ends) if "at_s" in k]
     first = next((t for t, step in r.get("progress", []) if step > 0), None)
     r["lost_s"] = round(sum(costs), 1) if r["kills"] else 0.0
     training = r["wall_s"] - first if first is not None else None
