@@ -84,3 +84,12 @@ def test_the_table_gives_each_jobs_median_and_spread_of_what_a_failure_cost():
            "results": [job], "skipped": {}}
     row = next(line for line in format_text(doc).splitlines() if line.startswith("| max-restarts"))
     assert "| 2.5 (2.0-4.0) | 1.5 (1.0-2.0) | 8 (4-15) | 3.0 -> 4.0 |" in row
+
+
+def test_a_kill_the_job_never_came_back_from_is_lost_until_the_next_kill_or_the_end():
+    from polytrain.bench.goodput import lost_time
+
+    kills = [{"at_s": 60.0, "back_after_s": 1.0}, {"at_s": 120.0, "back_after_s": None}, {"at_s": 180.0}]
+    job = dict(kills=kills, wall_s=300.0, progress=[(0.0, 0), (10.0, 5)])
+    lost_time(job)
+    assert job["lost_s"] == 1.0 + 60.0 + 120.0 and job["goodput_by_lost_time"] == round(1 - 181.0 / 290.0, 4)

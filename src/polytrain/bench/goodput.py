@@ -106,7 +106,7 @@ class GoodputBenchConfig:
 
 def continue_available() -> bool:
     """Whether the installed polytrain has ``--on-failure continue``."""
-    help_text = subprocess.run([sys.executable, "-m", "polytrain", "train", "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "polytrain", "train", "--help-all"], capture_output=True,
                                text=True, timeout=120).stdout
     return "--on-failure" in help_text and "continue" in help_text.split("--on-failure", 1)[1][:400]
 
@@ -282,8 +282,11 @@ def run_suite(cfg: GoodputBenchConfig, progress: Callable[[str], None] = lambda 
 def lost_time(r: dict[str, Any]) -> None:
     """A second reading, from within the job alone (so not moved by a load that changed between jobs): the
     seconds its failures cost (each kill until the job was back at the step it had reached) and the share of
-    its training time (from its first step) they leave."""
-    costs = [k["back_after_s"] for k in r["kills"] if k.get("back_after_s") is not None]
+    its training time (from its first step) they leave. A kill the job never came back from costs the time until
+    the next kill, or the job's end."""
+    ends = [k["at_s"] for k in r["kills"][1:]] + [r["wall_s"]]
+    costs = [k["back_after_s"] if k.get("back_after_s") is not None else end - k["at_s"]
+             for k, end in zip(r["kills"], ends) if "at_s" in k]
     first = next((t for t, step in r.get("progress", []) if step > 0), None)
     r["lost_s"] = round(sum(costs), 1) if r["kills"] else 0.0
     training = r["wall_s"] - first if first is not None else None
@@ -301,7 +304,8 @@ def describe(cfg: GoodputBenchConfig) -> str:
     return (f"goodput: polytrain train --strategy sync --workers {cfg.workers} --model {cfg.model} --data {cfg.data} "
             f"--batch-size {cfg.batch_size}, each job {cfg.duration:g} s of wall time; a random worker SIGKILLed "
             f"every {cfg.failure_every:g} s ({cfg.kills} kills); --max-restarts with a checkpoint every "
-            f"{cfg.checkpoint_every_seconds:g} s; jobs: {', '.join(cfg.sides)}")
+            f"{cfg.checkpoint_every_seconds:g} s" + (f" and a snapshot every {cfg.snapshot_every} steps"
+                                                    if cfg.snapshot_every else "") + f"; jobs: {', '.join(cfg.sides)}")
 
 
 def format_text(doc: dict[str, Any]) -> str:
