@@ -34,15 +34,16 @@ import torch
 from polytrain.errors import CheckpointError
 
 
-def copy_state(state: Any) -> Any:
+def copy_state(state: Any, leaf: Callable[[torch.Tensor], Any] | None = None) -> Any:
     """A copy of ``state`` (nested dicts, lists, tuples) whose tensors are detached copies in host memory: a
-    state_dict's tensors are the live ones, which training changes in place."""
+    state_dict's tensors are the live ones, which training changes in place. ``leaf(tensor)``, where given, makes
+    each tensor's copy instead (``--on-failure continue``: a sharded tensor's own rows, train/heal.py)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        return leaf(state) if leaf is not None else state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {key: copy_state(value) for key, value in state.items()}
+        return {key: copy_state(value, leaf) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(copy_state(value) for value in state)
+        return type(state)(copy_state(value, leaf) for value in state)
     return copy.deepcopy(state)
 
 
