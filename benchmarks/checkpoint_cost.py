@@ -54,8 +54,10 @@ def _command(args: argparse.Namespace, out: Path) -> list[str]:
     return cmd + ([] if args.foreground else ["--checkpoint-background"])
 
 
-def _watch(proc: subprocess.Popen, metrics: Path, ckpt: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """Until the run ends: the unix time each step record appeared, and each checkpoint's latest part write."""
+def _watch(proc: subprocess.Popen, metrics: Path, ckpt: Path,
+           load: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Until the run ends: the unix time each step record appeared, and each checkpoint's latest part write;
+    ``load``: the machine's 1-minute load when each step record appeared."""
     seen: dict[int, float] = {}
     written: dict[int, float] = {}
     offset = 0
@@ -72,6 +74,7 @@ def _watch(proc: subprocess.Popen, metrics: Path, ckpt: Path) -> tuple[dict[int,
                 record = json.loads(line)
                 if record.get("event") == "step":
                     seen.setdefault(int(record["step"]), now)
+                    load.setdefault(int(record["step"]), os.getloadavg()[0])
         if ckpt.is_dir():
             for path in ckpt.rglob("*"):
                 name = path.name
@@ -122,7 +125,8 @@ def main() -> int:
         command = _command(args, out)
         print("$ " + " ".join(command[1:]), flush=True)
         proc = subprocess.Popen(command, env=_env(), stdout=open(out / "log", "w"), stderr=subprocess.STDOUT)
-        seen, written = _watch(proc, out / "metrics.jsonl", out / "ckpt")
+        loads: dict[int, float] = {}
+        seen, written = _watch(proc, out / "metrics.jsonl", out / "ckpt", loads)
         load_after = os.getloadavg()
         if proc.returncode != 0:
             print((out / "log").read_text()[-3000:])
@@ -135,11 +139,15 @@ def main() -> int:
         wrote = written.get(pair["checkpoint_at"])
         began = seen.get(pair["checkpoint_at"] + args.window)
         pair["spilled"] = bool(wrote and began and wrote > began)
+        at = pair["checkpoint_at"]
+        window_loads = [loads[s] for s in range(at - args.window, at + 2 * args.window + 1) if s in loads]
+        pair["load"] = [round(min(window_loads), 1), round(max(window_loads), 1)] if window_loads else None
         print(f"checkpoint at step {pair['checkpoint_at']}: the {args.window} steps after it {pair['with_s']:.2f} s, "
               f"the {args.window} before and after those without one {pair['before_s']:.2f} s and "
               f"{pair['after_s']:.2f} s: cost {pair['cost']:+.1%}; rank 0's CPU "
               f"{pair['cpu_with_s']:.2f} s against {pair['cpu_without_s']:.2f} s: {pair['cpu_cost']:+.1%}"
-              + (" (the write went on into the window without)" if pair["spilled"] else ""))
+              + (" (the write went on into the window without)" if pair["spilled"] else "")
+              + (f"; load {pair['load'][0]}-{pair['load'][1]}" if pair["load"] else ""))
     if not pairs:
         print("no pair of windows: give more --steps")
         return 1
@@ -151,7 +159,12 @@ def main() -> int:
     cpu = [p["cpu_cost"] for p in pairs]
     print(f"rank 0's CPU seconds (every thread, the writer's too): {statistics.median(cpu):+.1%} "
           f"({min(cpu):+.1%} to {max(cpu):+.1%}): what the checkpoints cost whatever else shares the cores")
-    print(f"checkpoint_stall_s: {end.get('checkpoint_stall_s')}")
+    stall = end.get("checkpoint_stall_s")
+    print(f"checkpoint_stall_s: {stall}")
+    if stall:  # what the step itself waited, against the wall of the steps a checkpoint every --window steps spans
+        print(f"the step itself held {stall['median']:.2f} s per checkpoint at the median: "
+              f"{stall['median'] / (args.window * step_s):.1%} of {args.window} steps; the rest of the cost is the "
+              "write beside the training processes")
     print(f"load (1, 5, 15 min): before {tuple(round(x, 2) for x in load_before)}, "
           f"after {tuple(round(x, 2) for x in load_after)}")
     if args.json:

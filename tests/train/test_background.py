@@ -4,12 +4,15 @@ its checks, and the summary reports each periodic checkpoint's stall."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import polytrain
+from polytrain.distributed.topology import Topology
+from polytrain.train.background import CheckpointWrites, copy_state
 from polytrain.train.checkpoint import Checkpointer
 from polytrain.train.integrity import verify
 
@@ -68,3 +71,28 @@ def test_the_summary_reports_each_periodic_checkpoints_stall(runs):
         stall = summary["checkpoint_stall_s"]
         assert stall["checkpoints"] == 2 and 0 <= stall["median"] <= stall["max"] <= stall["total"], (name, stall)
     assert summaries[True]["train_loss"] == summaries[False]["train_loss"], name
+
+
+def test_the_copy_keeps_the_state_as_it_was_and_one_thread_writes_every_checkpoint():
+    """The copy a background write reads from: tensors and containers copied (training changes them in place: the
+    weights, an optimizer's lr), plain numbers shared; and one writer thread serves every write, in order."""
+    live = {"w": torch.ones(2), "groups": [{"lr": 0.1, "params": [0, 1]}], "rng": [7] * 625,
+            "pair": (1, torch.zeros(1))}
+    copied = copy_state(live)
+    live["w"].add_(1)
+    live["groups"][0]["lr"], live["rng"][0] = 0.2, 8
+    live["groups"][0]["params"].append(2)
+    live["pair"][1].add_(1)
+    assert copied == {"w": copied["w"], "groups": [{"lr": 0.1, "params": [0, 1]}], "rng": [7] * 625,
+                      "pair": (1, copied["pair"][1])}
+    assert copied["w"].tolist() == [1.0, 1.0] and copied["pair"][1].item() == 0.0
+    def writers() -> int:
+        return sum(t.name == "polytrain-checkpoint-write" for t in threading.enumerate())
+
+    writes, before, done = CheckpointWrites(background=True), writers(), []
+    for step in range(3):
+        writes.start(lambda step=step: done.append(step) or step)
+        assert writes.settle(Topology()) == step
+    assert done == [0, 1, 2] and writers() == before + 1
+    writes.close()  # (the run's end)
+    assert writers() == before

@@ -15,7 +15,8 @@ import torch
 import polytrain
 from polytrain.data.buckets import batch_plan
 from polytrain.data.registry import build_data
-from polytrain.distributed.elastic import JOIN_STALL_ENV
+from polytrain.distributed.elastic import CHANGE_KILL_ENV
+from polytrain.distributed.joining import JOIN_STALL_ENV
 from polytrain.errors import ConfigError
 from polytrain.train.example_ids import read
 from polytrain.train.elastic import JOIN_AT_ENV
@@ -197,6 +198,29 @@ def test_rank_0_killed_the_lowest_survivor_reports_and_the_run_equals_4_then_3_w
     reference = torch.load(tmp_path / "chain.pt")
     assert all((model[k] - reference[k]).abs().max().item() <= 1e-6 for k in reference), where
 
+    ids = read(tmp_path / "elastic-ids.jsonl")  # every global batch of an uninterrupted run, exactly once
+    plan = batch_plan(build_data("digits").train, BATCH, 0)
+    assert sorted(ids) == list(range(1, steps + 1)), where
+    assert all(ids[step]["ids"] == plan.global_indices(step - 1).tolist() for step in ids), where
+
+
+def test_a_second_death_during_the_change_is_absorbed_without_waiting_out_the_timeout(tmp_path, monkeypatch):
+    """Rank 3 SIGKILLed after a step; slot 2 SIGKILLs itself inside the change that follows, after the survivors
+    had agreed on a membership counting it in and before its group was made: the others find it dead before
+    making the group (not after --timeout inside its rendezvous, 300 s here) and agree again, going on as 2."""
+    steps, settings = 8, {**BASE, **STRATEGIES["sync"]}
+    killed = draw("elastic[second death]", 2, 5)
+    monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
+    monkeypatch.setenv(CHANGE_KILL_ENV, "2:1")
+    summary = polytrain.fit(workers=4, steps=steps, on_failure="continue", timeout=300,
+                            metrics_file=str(tmp_path / "elastic.jsonl"),
+                            log_example_ids=str(tmp_path / "elastic-ids.jsonl"), **settings)
+    where = f"rank 3 killed after step {killed}, slot 2 in the change"
+    assert not _workers_left(), where
+    assert summary["steps"] == steps and summary["workers"] == 2 and not summary.get("restarts"), where
+    assert [(c["step"], c["workers"], c["lost"]) for c in summary["membership_changes"]] == [(killed, 2, [2, 3])], \
+        where
+    assert summary["slots_lost"] == [2, 3] and summary["slots_joined"] == [], where
     ids = read(tmp_path / "elastic-ids.jsonl")  # every global batch of an uninterrupted run, exactly once
     plan = batch_plan(build_data("digits").train, BATCH, 0)
     assert sorted(ids) == list(range(1, steps + 1)), where

@@ -28,8 +28,9 @@ from polytrain.train.session import strategy_options
 from tests.helpers.seed import draw
 
 STEPS, BATCH = 8, 48  # 48 cuts into 4 and 3 slices
-BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=BATCH, lr=0.05, log_every=1, eval_every=0,
-            progress="off", heartbeat_timeout=3, strategy="fsdp")
+# adamw: its state is made per parameter (zeros_like) at each build, over the generation's mesh; SGD has none
+BASE = dict(data="digits", model="mlp:hidden=16x16", batch_size=BATCH, lr=0.01, optimizer="adamw", log_every=1,
+            eval_every=0, progress="off", heartbeat_timeout=3, strategy="fsdp")
 HSDP = dict(dp_replicate=2, dp_shard=2)
 
 

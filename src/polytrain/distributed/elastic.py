@@ -20,8 +20,17 @@ Going from generation N to N+1, to leave a lost member behind or to let joiners 
    decision; a member behind it (or a joiner) receives the state from a member that holds it, over the new
    group (the trainer's side: :mod:`polytrain.train.elastic`).
 
-A replacement (:func:`join`) registers under ``join/<slot>`` and waits for ``admitted/<slot>`` (or for the job
-to end: ``closed``); the members look for joiners at step boundaries (:meth:`Membership.joiners_waiting`).
+Before the new group is made (:meth:`Membership.make_group`), every member of it says ``g<N+1>/ready/<slot>`` and
+waits until each member did or is dead: a member that dies between the decision and the group (a second death
+during a change) is found at once, and the others agree again without it, instead of waiting out ``--timeout``
+for it inside the group's rendezvous.
+
+A replacement (:func:`polytrain.distributed.joining.join`) registers under ``join/<slot>`` (the time) and waits
+for ``admitted/<slot>`` (or for the job to end: ``closed``); the members look for joiners at step boundaries
+(:meth:`Membership.joiners_waiting`).
+The launcher marks each death under ``dead/<slot>`` (the time): a mark older than the slot's registration is the
+replaced process's. No key a member reads is ever deleted (one deleted between a member's check and its read
+reads empty, or waits out the store's timeout).
 
 Any slot may be lost, slot 0 included: the store is the launching process's, and so is the supervision
 (:mod:`polytrain.distributed.launch`). The generation's rank 0 logs, evaluates and writes checkpoints: after a
@@ -33,8 +42,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
-import threading
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,13 +56,14 @@ import torch.distributed as dist
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError
-from polytrain.log import get_logger
+from polytrain.log import EVERY_RANK, get_logger
 
 PREFIX = "polytrain/elastic"
 HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distributed/heartbeat.py), keyed by slot
-_POLL_S = 0.02
-#: for tests: a replacement's main thread pauses this many seconds once admitted, before its heartbeat starts
-JOIN_STALL_ENV = "POLYTRAIN_INJECT_JOIN_STALL"
+POLL_S = 0.02
+#: for tests: ``SLOT:N``, the member in slot SLOT SIGKILLs itself in the change to generation N, once the decision
+#: (which counts it in) was read and before the new group is made (a second death during a change)
+CHANGE_KILL_ENV = "POLYTRAIN_INJECT_CHANGE_KILL"
 
 
 class MembershipError(CommunicationError):
@@ -115,7 +126,8 @@ class Membership:
         self.heartbeat_timeout = heartbeat_timeout
         self.launched = launched  # slots at launch: 0 .. launched-1
         self._joins_seen = 0
-        self.interim_beat: _InterimBeat | None = None  # a replacement's, until its heartbeat starts
+        self.agreed: list[Generation] = []  # generations agreed since the last one that trained (:meth:`settled`)
+        self.interim_beat: Any = None  # a replacement's beats (distributed/joining.py), until its heartbeat starts
 
     def heartbeat_started(self) -> None:
         """This process's heartbeat beats for its slot now: a replacement's interim beats stop."""
@@ -135,6 +147,8 @@ class Membership:
 
     def make_group(self) -> None:
         g = self.generation
+        if g.number:
+            self._ready(g)
         store = dist.PrefixStore(self._key(f"g{g.number}", "pg"), self.store)
         dist.init_process_group(self.backend, store=store, rank=g.rank_of(self.slot), world_size=len(g.slots),
                                 timeout=self.timeout)
@@ -151,6 +165,7 @@ class Membership:
             dist.distributed_c10d._abort_process_group()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        forget_meshes()
 
     # -- changing it ------------------------------------------------------------------------------------
 
@@ -189,19 +204,49 @@ class Membership:
                     f"--on-failure continue: worker slot(s) {', '.join(map(str, missing))} neither came back to "
                     f"agree on the membership nor were reported lost within --timeout "
                     f"{self.timeout.total_seconds():g} s")
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         decided = Generation.from_json(self.store.get(decision_key))
         if self.slot not in decided.slots:
             raise Excluded(f"worker slot {self.slot} reached the membership change of generation {number} after "
                            "its peers had agreed on it without it; leaving")
         for slot in decided.joined:  # (every member writes these: any of them may be the one left)
             self.store.set(self._key("admitted", slot), str(number))
-            with contextlib.suppress(Exception):
-                self.store.delete_key(self._key("dead", slot))  # the launcher's mark was the old process's
             self.lost.revive(slot)  # the heartbeat watches the newcomer in its slot again
         self.generation = decided
+        self.agreed.append(decided)
+        _injected_kill(self.slot, number)
         self.make_group()
         return decided
+
+    def _ready(self, generation: Generation) -> None:
+        """Say this member is about to make ``generation``'s group, and wait until every member did or is dead:
+        :class:`CommunicationError` (a lost peer: the trainer agrees again) for a dead one, :class:`MembershipError`
+        past --timeout."""
+        self.store.set(self._key(f"g{generation.number}", "ready", self.slot), "1")
+        others = [s for s in generation.slots if s != self.slot]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            waiting = [s for s in others if not self.store.check([self._key(f"g{generation.number}", "ready", s)])]
+            dead = [s for s in waiting if self._dead(s)]
+            if dead:
+                raise CommunicationError(f"--on-failure continue: worker slot(s) {', '.join(map(str, dead))} died "
+                                         f"before the group of generation {generation.number} was made; agreeing "
+                                         "again without")
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"--on-failure continue: worker slot(s) {', '.join(map(str, waiting))} agreed on the membership "
+                    f"but did not come to make its group within --timeout {self.timeout.total_seconds():g} s")
+            time.sleep(POLL_S)
+
+    def settled(self, before: Generation) -> tuple[list[int], list[int]]:
+        """The slots lost since ``before`` (the last generation that trained) and those joined, over every
+        generation agreed since (one left again before its group trained included); forgets them."""
+        agreed, self.agreed = self.agreed, []
+        lost = [s for s in before.slots if any(s in g.lost for g in agreed)]
+        joined = [s for s in self.generation.slots if any(s in g.joined for g in agreed)]
+        return lost, joined
 
     def _arrived(self, number: int, slots: tuple[int, ...]) -> dict[int, int]:
         keys = [self._key(f"g{number}", "arrive", s) for s in slots]
@@ -216,11 +261,28 @@ class Membership:
         return [slot for slot in range(self.launched) if self._joining(slot)]
 
     def _joining(self, slot: int) -> bool:
-        join, dead = self._key("join", slot), self._key("dead", slot)
-        if not self.store.check([join]) or self.store.check([self._key("admitted", slot)]):
+        """A replacement registered for ``slot``, not admitted yet and not dead since."""
+        if not self.store.check([self._key("join", slot)]) or self.store.check([self._key("admitted", slot)]):
             return False
-        # the launcher's mark (the time of a death) older than the registration is the replaced worker's
-        return not self.store.check([dead]) or float(self.store.get(dead)) < float(self.store.get(join))
+        return not self._died(slot)
+
+    def _died(self, slot: int) -> bool:
+        """The launcher marked a death in ``slot`` after the slot's latest registration (an older mark is the
+        replaced process's)."""
+        dead = self._time_mark(self._key("dead", slot))
+        if dead is None:
+            return False
+        joined = self._time_mark(self._key("join", slot))
+        return joined is None or dead > joined
+
+    def _time_mark(self, key: str) -> float | None:
+        """The time stored under ``key`` (a key only ever set): None where there is none."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return float(self.store.get(key))
+        except ValueError:
+            return None
 
     def joiners_waiting(self) -> bool:
         """Whether a replacement waits to be admitted (rank 0 asks at step boundaries; one store call while no
@@ -240,13 +302,13 @@ class Membership:
         while len(self.generation.slots) < self.launched and time.monotonic() < deadline:
             if self.joiners_waiting():
                 return True
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         return self.joiners_waiting()
 
     def _dead(self, slot: int) -> bool:
         """The process of ``slot`` ended: the launcher marked it (at once), a replacement for it registered (the
         launcher starts one only then), or the heartbeat reported it (within its bound)."""
-        return slot in self.lost or self.store.check([self._key("dead", slot)]) or self._joining(slot)
+        return slot in self.lost or self._died(slot) or self._joining(slot)
 
     def note(self, record: dict[str, Any]) -> None:
         """The main rank's record of the change to the current generation, kept in the store: the summary lists
@@ -273,72 +335,13 @@ class Membership:
             self.store.set(self._key("closed"), "1")
 
 
-def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, timeout: timedelta,
-         lost: LostRanks, heartbeat_timeout: float, launched: int) -> Membership | None:
-    """A replacement for ``slot``: register, wait until the members admit it at a step boundary (or until the
-    job's training ends: None), and make the new generation's group with them."""
-    _fresh_heartbeat(store, slot)
-    with contextlib.suppress(Exception):
-        store.delete_key(PREFIX + f"/admitted/{slot}")  # (an earlier replacement's)
-    beat = _InterimBeat(store, slot, heartbeat_timeout)  # until this process's heartbeat starts
-    store.set(PREFIX + f"/join/{slot}", str(time.time()))
-    store.add(PREFIX + "/join/count", 1)
-    admitted, closed = PREFIX + f"/admitted/{slot}", PREFIX + "/closed"
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check([admitted]):
-        if store.check([closed]):
-            beat.stop()
-            return None
-        if time.monotonic() > deadline:
-            beat.stop()
-            raise CommunicationError(f"--on-failure continue: the replacement for worker slot {slot} was not "
-                                     f"admitted within --timeout {timeout.total_seconds():g} s")
-        time.sleep(_POLL_S)
-    number = int(store.get(admitted))
-    generation = Generation.from_json(store.get(PREFIX + f"/g{number}/decision"))
-    membership = Membership(store, slot, generation, backend=backend, device=device, timeout=timeout, lost=lost,
-                            heartbeat_timeout=heartbeat_timeout, launched=launched)
-    membership.interim_beat = beat
-    membership.make_group()
-    membership.watch()
-    if os.environ.get(JOIN_STALL_ENV):  # (tests: a main thread starved past --heartbeat-timeout here)
-        time.sleep(float(os.environ[JOIN_STALL_ENV]))
-    get_logger().info(f"replacement for worker slot {slot} admitted: {len(generation.slots)} workers from step "
-                      f"{generation.step}")
-    return membership
-
-
-class _InterimBeat:
-    """A replacement's beats on its slot's counter from its registration until its own heartbeat
-    (:mod:`polytrain.distributed.heartbeat`) starts, which is after it was admitted and made the new group: the
-    members watch the slot again from the admission on, and a starved main thread must not look like a death.
-    Its own thread and store connection, as the heartbeat's; ``where`` is published at once, so a report names
-    this process, not the one it replaces."""
-
-    def __init__(self, store: dist.Store, slot: int, heartbeat_timeout: float):
-        self._store, self._key = store.clone(), f"{HEARTBEAT_PREFIX}/beat/{slot}"
-        self._store.set(f"{HEARTBEAT_PREFIX}/where/{slot}", json.dumps({"host": socket.gethostname(),
-                                                                          "pid": os.getpid()}))
-        self._interval = min(1.0, heartbeat_timeout / 4)
-        self._stopped = threading.Event()
-        self._store.add(self._key, 1)
-        threading.Thread(target=self._run, name=f"polytrain-interim-beat-{slot}", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self._interval):
-            with contextlib.suppress(Exception):  # the store gone: the members' heartbeat says so, not this
-                self._store.add(self._key, 1)
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-
-def _fresh_heartbeat(store: dist.Store, slot: int) -> None:
-    """A replacement beats on its slot's counter; a goodbye or failure mark left there by the worker it replaces
-    (counters past 2**40) is cleared, so the others do not take the newcomer for gone."""
-    key = f"{HEARTBEAT_PREFIX}/beat/{slot}"
-    if int(store.add(key, 0)) >= 1 << 40:
-        store.set(key, "1")
+def _injected_kill(slot: int, number: int) -> None:
+    """``POLYTRAIN_INJECT_CHANGE_KILL=SLOT:N`` (tests): SIGKILL this process in the change to generation N."""
+    spec = os.environ.get(CHANGE_KILL_ENV, "")
+    if spec and tuple(map(int, spec.split(":"))) == (slot, number):
+        get_logger().warning(f"{CHANGE_KILL_ENV}: worker slot {slot} kills itself in the change to generation "
+                             f"{number}", extra=EVERY_RANK)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def first_generation(world_size: int) -> Generation:
@@ -376,22 +379,19 @@ def cut_connections(keep_port: int | None) -> int:
     return cut
 
 
+def forget_meshes() -> None:
+    """Forget DTensor's cached sharding decisions once the groups they were made over are gone. A DeviceMesh equals
+    any other of the same shape and axis names whatever its process groups, so a later generation's mesh of the
+    shape of an earlier one (2 x 2 again once a replacement joined 1 x 3) would find them, and the tensors they
+    make (an optimizer's state made as ``zeros_like`` a parameter) would carry the old mesh, whose groups' names
+    no longer resolve, or resolve to other groups."""
+    if "torch.distributed.tensor" in sys.modules:  # (none was made otherwise)
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+
+
 def mark_dead(store: dist.Store, slot: int) -> None:
     """The launcher's word that the process of ``slot`` ended: the survivors need not wait for the heartbeat."""
     with contextlib.suppress(Exception):
         store.set(PREFIX + f"/dead/{slot}", repr(time.time()))
-
-
-def start(store: dist.Store, slot: int, launched: int, *, joining: bool, backend: str, device: torch.device,
-          timeout: timedelta, lost: LostRanks, heartbeat_timeout: float) -> Membership | None:
-    """This process's membership in a spawned ``--on-failure continue`` job, with its group made: generation 0
-    for the workers started with the job, or the generation a replacement is admitted to (None: the job ended
-    before it was)."""
-    if joining:
-        return join(store, slot, backend=backend, device=device, timeout=timeout, lost=lost,
-                    heartbeat_timeout=heartbeat_timeout, launched=launched)
-    membership = Membership(store, slot, first_generation(launched), backend=backend, device=device,
-                            timeout=timeout, lost=lost, heartbeat_timeout=heartbeat_timeout, launched=launched)
-    membership.make_group()
-    membership.watch()
-    return membership

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from polytrain.devices.host_memory import set_host_memory
 from polytrain.devices.memory_limit import apply_memory_limit, memory_error
 from polytrain.devices.spec import resolve_device
-from polytrain.distributed import elastic
+from polytrain.distributed import joining
 from polytrain.distributed.context import Job, WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.lifetime import die_with_parent
@@ -112,7 +112,8 @@ def worker_main(job: Job, rank: int, conn: Any) -> None:
         try:
             result = with_heartbeat(beat, job.fn, WorkerContext(topology, stop, job.layout, membership), *job.args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # (not after a membership change that failed between two groups)
+                dist.destroy_process_group()
         send_report(conn, "ok", result)
     except BaseException as exc:  # report everything, including SystemExit, to the launcher
         send_report(conn, "error", describe_exception(memory_error(exc)))  # past --memory-limit: one line
@@ -128,7 +129,7 @@ def _init_spawned(job: Job, rank: int) -> tuple[Topology | None, Any]:
         torch.cuda.set_device(device)
     store = connect_store("127.0.0.1", job.store_port, timeout)
     if job.elastic:  # --on-failure continue: the group of a membership generation (distributed/elastic.py)
-        membership = elastic.start(store, rank, job.world_size, joining=job.joining, backend=job.backend,
+        membership = joining.start(store, rank, job.world_size, joining=job.joining, backend=job.backend,
                                    device=device, timeout=timeout, lost=LostRanks(job.expendable),
                                    heartbeat_timeout=job.heartbeat_timeout)
         return (membership.topology(), membership) if membership is not None else (None, None)

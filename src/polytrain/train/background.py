@@ -25,6 +25,7 @@ option.
 from __future__ import annotations
 
 import copy
+import queue
 import statistics
 import threading
 from typing import Any, Callable
@@ -34,24 +35,35 @@ import torch
 from polytrain.errors import CheckpointError
 
 
-def copy_state(state: Any) -> Any:
+#: values that cannot change in place: a copy shares them (an RNG state's 625 numbers are not copied one by one)
+_ATOMS = (int, float, bool, str, bytes, type(None))
+
+
+def copy_state(state: Any, leaf: Callable[[torch.Tensor], Any] | None = None) -> Any:
     """A copy of ``state`` (nested dicts, lists, tuples) whose tensors are detached copies in host memory: a
-    state_dict's tensors are the live ones, which training changes in place."""
+    state_dict's tensors are the live ones, which training changes in place. ``leaf(tensor)``, where given, makes
+    each tensor's copy instead (``--on-failure continue``: a sharded tensor's own rows, train/heal.py)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        return leaf(state) if leaf is not None else state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {key: copy_state(value) for key, value in state.items()}
+        return {key: copy_state(value, leaf) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(copy_state(value) for value in state)
-    return copy.deepcopy(state)
+        if all(type(value) in _ATOMS for value in state):
+            return type(state)(state)
+        return type(state)(copy_state(value, leaf) for value in state)
+    return state if type(state) in _ATOMS else copy.deepcopy(state)
 
 
 class CheckpointWrites:
     """This rank's checkpoint writes: at most one in flight, in a thread; the stall of each checkpoint."""
 
-    def __init__(self, background: bool, name: str = "checkpoint"):
+    def __init__(self, background: bool, name: str = "checkpoint", agree: bool = True):
         self.background, self.name = background, name
-        self._thread: threading.Thread | None = None
+        self.agree = agree  # False: writes that never fail as a CheckpointError (a snapshot's warn): nothing to agree
+        self._writer: threading.Thread | None = None  # started at the first background write, kept for the next
+        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._written = threading.Event()
+        self._in_flight = False
         self._result: list[Any] = []  # what the write returned, or the exception it raised
         self._commit: Callable[[Any], Any] | None = None  # a sharded write's commit (collective)
         self.stalls: list[float] = []
@@ -60,21 +72,37 @@ class CheckpointWrites:
               background: bool = True) -> None:
         """Run ``write()`` in the writer thread (or now, when not ``background``); ``commit(its result)``, if
         given, is what :meth:`settle` calls on the training thread afterwards (every trainer rank together)."""
-        assert self._thread is None and not self._result, "settle() the previous write first"
+        assert not self._in_flight and not self._result, "settle() the previous write first"
         self._commit = commit
         if not (self.background and background):
             self._result.append(_call(write))
             return
-        self._thread = threading.Thread(target=lambda: self._result.append(_call(write)),
-                                        name="polytrain-checkpoint-write", daemon=True)
-        self._thread.start()
+        if self._writer is None:  # one thread for every write (none started for each: the step waits for none)
+            self._writer = threading.Thread(target=self._serve, name="polytrain-checkpoint-write", daemon=True)
+            self._writer.start()
+        self._written.clear()
+        self._in_flight = True
+        self._jobs.put(write)
+
+    def _serve(self) -> None:
+        while (write := self._jobs.get()) is not None:
+            self._result.append(_call(write))
+            self._written.set()
+
+    def close(self) -> None:
+        """Wait for the write in flight and end the writer thread (the run's end, however it ends)."""
+        self.wait()
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer.join()
+            self._writer = None
 
     def wait(self) -> None:
         """Wait for the write in flight (nothing else: no collective); before the process ends on an error, so
         that no file is left half-written."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._in_flight:
+            self._written.wait()
+            self._in_flight = False
 
     def settle(self, group: Any) -> Any:
         """Wait for the write in flight and commit it; every trainer rank calls this at the same point
@@ -85,7 +113,7 @@ class CheckpointWrites:
         result = self._result[0] if self._result else None
         commit, self._result, self._commit = self._commit, [], None
         failed = str(result) if isinstance(result, CheckpointError) else None
-        if self.background and group.world_size > 1:  # (in the foreground, the rank that failed raises it)
+        if self.background and self.agree and group.world_size > 1:  # (foreground: the rank that failed raises it)
             failed = next((f for f in group.all_gather_object(failed) if f is not None), None)
         if failed is not None:
             raise CheckpointError(failed)

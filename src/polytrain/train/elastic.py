@@ -212,19 +212,20 @@ class ElasticRun:
         if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
             run_log.take_over(trainer.config.tracking, self.membership.tracker_runs(),
                               trainer.config.train.save_model)
+        lost, joined = self.membership.settled(old_generation)  # (over every generation agreed since)
         record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
-                  "lost": list(generation.lost), "joined": list(generation.joined), "seconds": round(seconds, 3)}
+                  "lost": lost, "joined": joined, "seconds": round(seconds, 3)}
         self.changes.append(record)
         if trainer.topology.is_main:
             self.membership.note(record)
             run_log._write({"event": "membership", **record, "unix_time": time.time()})
             what = []
-            if generation.lost:
-                what.append(f"worker slot(s) {', '.join(map(str, generation.lost))} lost")
-            if old_generation.slots[0] in generation.lost:
+            if lost:
+                what.append(f"worker slot(s) {', '.join(map(str, lost))} lost")
+            if old_generation.slots[0] in lost:
                 what.append(f"worker slot {self.membership.slot} logs, evaluates and saves from here on")
-            if generation.joined:
-                what.append(f"replacement(s) for slot(s) {', '.join(map(str, generation.joined))} joined")
+            if joined:
+                what.append(f"replacement(s) for slot(s) {', '.join(map(str, joined))} joined")
             get_logger().warning(f"{'; '.join(what) or 'membership renewed'}: going on with {len(generation.slots)} "
                                  f"workers from step {generation.step} (agreed and rebuilt in {seconds:.2f} s; "
                                  "nothing read from disk)")

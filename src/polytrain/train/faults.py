@@ -66,12 +66,15 @@ class TimedCheckpoints:
     def enabled(self) -> bool:
         return bool(self.seconds)
 
+    def mine(self) -> bool:
+        """This rank's view, no collective: True only on the deciding rank, once the seconds have passed."""
+        return self.enabled and self.deciding and time.monotonic() - self.last >= self.seconds
+
     def due(self, agree: Any) -> bool:
         """Collective over the trainers when enabled: every trainer rank calls it at the same step."""
         if not self.enabled:
             return False
-        mine = self.deciding and time.monotonic() - self.last >= self.seconds
-        return bool(agree(mine))
+        return bool(agree(self.mine()))
 
     def reset(self) -> None:
         self.last = time.monotonic()

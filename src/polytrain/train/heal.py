@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from polytrain.errors import StateLost
+from polytrain.train.background import copy_state
 
 
 #: set on a model :meth:`Healing.module` made: built whole on purpose (the start-up's warning is not repeated)
@@ -135,24 +136,22 @@ def join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return whole([part["state"] for part in parts])
 
 
-def _rows(value: Any) -> Any:
-    """``value`` copied, each ``DTensor`` as this rank's rows (:class:`Rows`) or, replicated, its whole local
-    tensor; tensors detached and on the host."""
+def _rows(state: Any) -> Any:
+    """``state`` copied (:func:`~polytrain.train.background.copy_state`), each ``DTensor`` as this rank's rows
+    (:class:`Rows`) or, replicated, its whole local tensor; tensors detached and on the host."""
+    return copy_state(state, _tensor_rows)
+
+
+def _tensor_rows(value: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if isinstance(value, DTensor):
-        sharded = [p for p in value.placements if not isinstance(p, Replicate)]
-        local = value.to_local().detach().to("cpu", copy=True)
-        if not sharded:
-            return local
-        if len(sharded) > 1 or not isinstance(sharded[0], Shard) or sharded[0].dim != 0:
-            raise ValueError(f"--on-failure continue heals tensors sharded on their first dimension over one axis; "
-                             f"this one is placed {value.placements}")
-        return Rows(local, tuple(value.shape))
-    if isinstance(value, torch.Tensor):
+    if not isinstance(value, DTensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _rows(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rows(v) for v in value)
-    return copy.deepcopy(value)
+    sharded = [p for p in value.placements if not isinstance(p, Replicate)]
+    local = value.to_local().detach().to("cpu", copy=True)
+    if not sharded:
+        return local
+    if len(sharded) > 1 or not isinstance(sharded[0], Shard) or sharded[0].dim != 0:
+        raise ValueError(f"--on-failure continue heals tensors sharded on their first dimension over one axis; "
+                         f"this one is placed {value.placements}")
+    return Rows(local, tuple(value.shape))

@@ -90,6 +90,7 @@ class Session:
     stream: StreamBatches | None = None
     #: where the model's starting weights come from, for the start-up line (``initialised from --seed 0``, ...)
     weights: str = ""
+    _config_flat: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def log(self):
@@ -97,7 +98,10 @@ class Session:
 
     @property
     def config_flat(self) -> dict[str, Any]:
-        return self.config.flat()
+        """The config as ``{key: value}``, made once (every checkpoint and snapshot holds it)."""
+        if self._config_flat is None:
+            self._config_flat = self.config.flat()
+        return self._config_flat
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

@@ -90,7 +90,8 @@ class Trainer:
                                         len(s.data.test) if s.data.test is not None else 0)
         self.writes = CheckpointWrites(config.checkpoint.checkpoint_background)  # train/background.py
         self.snapshots = snapshots_of(config)  # --snapshot-every: in memory, in the background (train/snapshot.py)
-        self.snapshot_writes = CheckpointWrites(self.snapshots is not None, "snapshot")  # (none: no collective)
+        self.snapshot_writes = CheckpointWrites(self.snapshots is not None, "snapshot", agree=False)  # (they warn)
+        self._agreed: tuple[int | None, bool] = (None, False)  # the last log point's step, and its timed flag
         self.elastic = elastic.attach(self, membership)  # --on-failure continue (train/elastic.py); else None
 
     def fit(self) -> dict[str, Any]:
@@ -114,8 +115,8 @@ class Trainer:
             run_log.end(summary)
             return summary
         finally:
-            self.writes.wait()  # a checkpoint in flight is whole before the process goes on or ends
-            self.snapshot_writes.wait()
+            self.writes.close()  # a checkpoint in flight is whole before the process goes on or ends
+            self.snapshot_writes.close()
             run_log.close()
             if self.progress is not None:
                 self.progress.close()
@@ -274,10 +275,18 @@ class Trainer:
         every = self.config.checkpoint.checkpoint_every
         if every and done % every == 0:
             return True
-        return done % self.config.log.log_every == 0 and self.timed.due(agree_with_rank0(self.topology))
+        if done % self.config.log.log_every or not self.timed.enabled:
+            return False
+        if self._agreed[0] == done:  # this log point's record carried the main rank's clock: no collective more
+            return self._agreed[1]
+        return self.timed.due(agree_with_rank0(self.topology))
 
-    def _check_finite(self) -> None:
-        """Stop at the first non-finite loss any trainer rank saw (a collective: every rank calls it)."""
+    def _check_finite(self, step: int | None = None) -> None:
+        """Stop at the first non-finite loss any trainer rank saw (a collective: every rank calls it); nothing
+        after ``step``'s log point, which checked it (not under --on-failure continue: a rank that joined since
+        has not seen that record)."""
+        if step is not None and self._agreed[0] == step and self.elastic is None:
+            return
         self._stop_if_diverged(self.topology.all_gather_object(self.guard.first_bad()))
 
     def _stop_if_diverged(self, found: list[tuple[int, float] | None]) -> None:
@@ -294,14 +303,16 @@ class Trainer:
 
     def _step_record(self, step: int, lr: float, meter: IntervalMeter) -> dict[str, Any]:
         s = self.session
-        # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers
+        # one collective per log point for all: each rank's rate, slice, loss, first bad step, strategy numbers,
+        # and whether --checkpoint-every-seconds have passed (the main rank's clock: _checkpoint_due reads it)
         per_rank = self.topology.all_gather_object((round(meter.busy_examples_per_sec(), 2), meter.mean_examples,
                                                     self.guard.take_mean(), self.guard.first_bad(),
                                                     {**self.strategy.take_metrics(),
-                                                     **self.straggler.take_metrics()}))
-        self._stop_if_diverged([bad for _, _, _, bad, _ in per_rank])
-        losses = [loss for _, _, loss, _, _ in per_rank if loss is not None]  # the ranks that hold the loss
-        keys = sorted({key for *_, extra in per_rank for key in extra})
+                                                     **self.straggler.take_metrics()}, self.timed.mine()))
+        self._stop_if_diverged([bad for _, _, _, bad, _, _ in per_rank])
+        self._agreed = (step, any(timed for *_, timed in per_rank))  # every rank finite at `step`; timed due
+        losses = [loss for _, _, loss, _, _, _ in per_rank if loss is not None]  # the ranks that hold the loss
+        keys = sorted({key for *_, extra, _ in per_rank for key in extra})
         loss = sum(losses) / len(losses) if losses else None
         # the latest steps after the warm-up (the interval's while warming up), each step's own seconds
         rate = self.meter.window_steps_per_sec() or meter.steps_per_sec()
@@ -317,7 +328,7 @@ class Trainer:
             "sec_per_batch": round(1 / rate if rate > 0 else 0.0, 6),
             "rank_examples_per_sec": [rate for rate, *_ in per_rank],
             "rank_batch": [round(examples, 2) for _, examples, *_ in per_rank],
-            **{f"rank_{key}": [extra.get(key) for *_, extra in per_rank] for key in keys},
+            **{f"rank_{key}": [extra.get(key) for *_, extra, _ in per_rank] for key in keys},
             # wall clock since the loop began, all overhead included: rates between two records are end to end
             "time_s": round(time.perf_counter() - self._loop_started, 4),
             # this process's CPU seconds since then (every thread's): what a step costs whatever else shares the cores
@@ -372,7 +383,7 @@ class Trainer:
         the background with --checkpoint-background (train/background.py); a ``snapshot`` in memory, in the
         background (train/snapshot.py). What was written, on the trainers' rank 0 (a background write: once it
         is settled, at the next checkpoint)."""
-        self._check_finite()
+        self._check_finite(step)
         s, started = self.session, time.perf_counter()
         writes = self.snapshot_writes if snapshot else self.writes
         if not snapshot:
