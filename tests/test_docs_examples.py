@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SRC
+from tests.helpers.forked import run_forked
 
 ROOT = Path(SRC).parent
 README = ROOT / "README.md"
@@ -106,19 +107,12 @@ def _run_as_script(script: Path, timeout: float = 300) -> tuple[int | None, str]
     imported once there, not once per example): ``__main__`` is the script (its functions importable by name, as
     ``launch``'s workers import them), its directory first on sys.path, the stop signals as a fresh interpreter
     has them. Its exit code and stderr."""
-    from polytrain.distributed.processes import start_context
-
     stderr = script.with_suffix(".err")
-    proc = start_context().Process(target=_script_main, args=(str(script), str(stderr)))
-    proc.start()
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-    return proc.exitcode, stderr.read_text() if stderr.exists() else ""
+    code = run_forked(_script_main, str(script), stderr=stderr, timeout=timeout)
+    return code, stderr.read_text() if stderr.exists() else ""
 
 
-def _script_main(script: str, stderr: str) -> None:
+def _script_main(script: str) -> None:
     import runpy
     import signal
 
@@ -126,7 +120,6 @@ def _script_main(script: str, stderr: str) -> None:
                             (signal.SIGHUP, signal.SIG_DFL), (signal.SIGUSR1, signal.SIG_DFL),
                             (signal.SIGUSR2, signal.SIG_DFL)):
         signal.signal(number, handler)  # (the forkserver ignores them: tests/cli/test_signals.py is about them)
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     os.chdir(os.path.dirname(script))
     sys.path.insert(0, os.path.dirname(script))

@@ -6,25 +6,17 @@ and the quick suites."""
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
+from tests.helpers.forked import run_forked
 
-def run_forked(command: list[str], stderr: Path, timeout: float = 300) -> int:
+
+def run_script(command: list[str], stderr: Path, timeout: float = 300) -> int:
     """``command``'s module's ``main`` on its arguments in a forked process, its stderr into the file ``stderr``;
     its exit code."""
-    from polytrain.distributed.processes import start_context
-
     assert command[1] == "-m" and command[2].startswith("polytrain.bench."), command
-    proc = start_context().Process(target=_main, args=(command[2], command[3:], str(stderr)))
-    proc.start()
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-    return proc.exitcode
+    return run_forked(_main, command[2], command[3:], stderr=stderr, timeout=timeout)
 
 
-def _main(module: str, argv: list[str], stderr: str) -> None:
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-    importlib.import_module(module).main(argv)
+def _main(module: str, argv: list[str]) -> object:
+    return importlib.import_module(module).main(argv)

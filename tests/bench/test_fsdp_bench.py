@@ -13,7 +13,7 @@ from polytrain.cli.bench import bench_config
 from polytrain.data.registry import build_data
 from polytrain.errors import ConfigError
 from polytrain.models.registry import build_model
-from tests.bench.forked import run_forked
+from tests.bench.forked import run_script
 
 TINY = FsdpBenchConfig(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", worker_batch_size=4,
                        workers=2, warmup=2, steps=3, repeats=1, optimizer="adam", lr=0.01)
@@ -32,7 +32,7 @@ def test_the_plain_loop_trains_exactly_like_polytrain_fsdp(tmp_path):
     # the plain loop forked from this process's forkserver (tests/bench/forked.py); the quick suite below runs it as
     # the bench does, its own command
     result, err = tmp_path / "plain.json", tmp_path / "plain.err"
-    assert run_forked(plain_command(TINY, result, tmp_path / "plain.pt"), err) == 0, err.read_text()
+    assert run_script(plain_command(TINY, result, tmp_path / "plain.pt"), err) == 0, err.read_text()
     measured = json.loads(result.read_text())
     assert measured["timed_steps"] == 3 and measured["global_batch"] == 8 and measured["examples_per_sec"] > 0
     ours = run_polytrain(fsdp, TINY, 0, tmp_path, save_model=tmp_path / "fsdp.pt")

@@ -10,7 +10,7 @@ import torch
 import polytrain
 from polytrain.bench.cases import BenchConfig, plan, tokens_per_example
 from polytrain.bench.measure import BenchError, ddp_command, run_case, window_from_metrics
-from tests.bench.forked import run_forked
+from tests.bench.forked import run_script
 
 SMALL = BenchConfig(model="cifar_cnn", data="synthetic:shape=3x24x24,size=64,test_size=0", worker_batch_size=4,
                     workers=2, warmup=2, steps=4, repeats=1, lr=0.05)
@@ -21,7 +21,7 @@ def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path):
     ddp = next(c for c in plan(SMALL, cores=2) if c.key == "ddp")
     result, ddp_weights = tmp_path / "ddp.json", tmp_path / "ddp.pt"
     err = tmp_path / "ddp.err"
-    assert run_forked(ddp_command(ddp, SMALL, result, ddp_weights), err) == 0, err.read_text()
+    assert run_script(ddp_command(ddp, SMALL, result, ddp_weights), err) == 0, err.read_text()
     measured = json.loads(result.read_text())
     assert measured["timed_steps"] == 4 and measured["global_batch"] == 8 and measured["examples_per_sec"] > 0
 
@@ -38,7 +38,7 @@ def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path):
 
     # the ceiling case really exchanges nothing: rank 0 then trains on its own halves only
     alone = next(c for c in plan(SMALL, cores=2) if c.key == "no_exchange")
-    assert run_forked(ddp_command(alone, SMALL, tmp_path / "alone.json", tmp_path / "alone.pt"), err) == 0, \
+    assert run_script(ddp_command(alone, SMALL, tmp_path / "alone.json", tmp_path / "alone.pt"), err) == 0, \
         err.read_text()
     solo = torch.load(tmp_path / "alone.pt", weights_only=True)
     assert max((solo[n] - theirs[n]).norm() / theirs[n].norm() for n in solo) > 1e-3
@@ -51,7 +51,7 @@ def test_the_ddp_script_trains_a_language_model_exactly_like_polytrain_sync(tmp_
                      workers=2, warmup=2, steps=4, repeats=1, lr=0.05)
     ddp = next(c for c in plan(lm, cores=2) if c.key == "ddp")
     err = tmp_path / "ddp.err"
-    assert run_forked(ddp_command(ddp, lm, tmp_path / "ddp.json", tmp_path / "ddp.pt"), err) == 0, err.read_text()
+    assert run_script(ddp_command(ddp, lm, tmp_path / "ddp.json", tmp_path / "ddp.pt"), err) == 0, err.read_text()
     polytrain.fit(model=lm.model, data=lm.data, strategy="sync", workers="2", batch_size=8, steps=6,
                   optimizer="sgd", lr=lm.lr, momentum=lm.momentum, seed=lm.seed, eval_every=0, progress="off",
                   save_model=str(tmp_path / "sync.pt"))
