@@ -2,7 +2,8 @@
 also runs top to bottom (with POLYTRAIN_README_TEST=1: it takes many minutes).
 
 Each python block is written to a file in a fresh temporary directory and run as a script (a script's functions are
-what ``launch``'s workers import by name) with this checkout's sources on PYTHONPATH. A block that cannot run here
+what ``launch``'s workers import by name) with this checkout's sources on the path, in a process forked from the
+test process's forkserver (:func:`_run_as_script`). A block that cannot run here
 is marked on the line right before it, with the reason, and is skipped with that reason:
 
     <!-- example: skip, needs two CUDA devices -->
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SRC
+from tests.helpers.forked import run_forked
 
 ROOT = Path(SRC).parent
 README = ROOT / "README.md"
@@ -90,16 +92,39 @@ EXAMPLES = _examples()
 
 
 @pytest.mark.parametrize("code, line_before", EXAMPLES)
-def test_example_runs(code, line_before, tmp_path, cli_env):
+def test_example_runs(code, line_before, tmp_path):
     reason = _skip_reason(line_before) or _missing_packages(code)
     if reason:
         pytest.skip(reason)
     script = tmp_path / "example.py"
     script.write_text(code)
-    env = dict(cli_env, PYTHONPATH=SRC)  # this checkout only, as a reader's fresh install would be
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, f"the example failed (exit {done.returncode}):\n{code}\n{done.stderr[-3000:]}"
+    exit_code, stderr = _run_as_script(script)
+    assert exit_code == 0, f"the example failed (exit {exit_code}):\n{code}\n{stderr[-3000:]}"
+
+
+def _run_as_script(script: Path, timeout: float = 300) -> tuple[int | None, str]:
+    """``python SCRIPT`` in its directory, as a process forked from this process's forkserver (torch and polytrain
+    imported once there, not once per example): ``__main__`` is the script (its functions importable by name, as
+    ``launch``'s workers import them), its directory first on sys.path, the stop signals as a fresh interpreter
+    has them. Its exit code and stderr."""
+    stderr = script.with_suffix(".err")
+    code = run_forked(_script_main, str(script), stderr=stderr, timeout=timeout)
+    return code, stderr.read_text() if stderr.exists() else ""
+
+
+def _script_main(script: str) -> None:
+    import runpy
+    import signal
+
+    for number, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                            (signal.SIGHUP, signal.SIG_DFL), (signal.SIGUSR1, signal.SIG_DFL),
+                            (signal.SIGUSR2, signal.SIG_DFL)):
+        signal.signal(number, handler)  # (the forkserver ignores them: tests/cli/test_signals.py is about them)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.chdir(os.path.dirname(script))
+    sys.path.insert(0, os.path.dirname(script))
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
 
 
 def test_the_readme_examples_are_found_and_run():

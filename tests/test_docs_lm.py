@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import SRC
+from tests.helpers.cli_batch import run_here
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -57,22 +57,29 @@ def make_model_and_data(root: Path) -> None:
     (root / "data" / "entries.jsonl").write_text("".join(json.dumps({"text": e}) + "\n" for e in entries[300:500]))
 
 
-def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, cli_env):
+def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys, monkeypatch):
+    """The commands through the command's own main and the Python block as a script, both in this process and in
+    the directory the page's paths are relative to (what is tested is the page, not a fresh process: torch and
+    transformers are imported once, not three times)."""
     pytest.importorskip("polytrain.weights.export", reason="waits for --save-model DIR (Hugging Face export)")
+    import torch
+
     commands, code = walkthrough()
     assert [c.split()[:2] for c in commands] == [["polytrain", "train"], ["polytrain", "generate"]]
     make_model_and_data(tmp_path)
-    env = dict(cli_env, PYTHONPATH=SRC)
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
     outputs = []
-    for command in commands:
-        args = [sys.executable, "-m", "polytrain", *shlex.split(command)[1:]]
-        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{command}\nexit {done.returncode}:\n{done.stderr[-3000:]}"
-        outputs.append(done.stdout)
-    assert "packed documents: " in outputs[0] and (tmp_path / "finetuned" / "config.json").is_file()
-    assert outputs[1].startswith("LOVE, n.")
-    (tmp_path / "load.py").write_text(code)
-    done = subprocess.run([sys.executable, "load.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("LOVE, n.")
+    try:
+        for command in commands:
+            done = run_here(capsys, *shlex.split(command)[1:])
+            assert done.returncode == 0, f"{command}\nexit {done.returncode}:\n{done.stderr[-3000:]}"
+            outputs.append(done.stdout)
+        assert "packed documents: " in outputs[0] and (tmp_path / "finetuned" / "config.json").is_file()
+        assert outputs[1].startswith("LOVE, n.")
+        (tmp_path / "load.py").write_text(code)
+        capsys.readouterr()
+        runpy.run_path(str(tmp_path / "load.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().out.startswith("LOVE, n.")

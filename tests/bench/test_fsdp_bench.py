@@ -2,16 +2,18 @@
 gives its rows, ratios and per-rank memory table."""
 
 import argparse
+import json
 
 import pytest
 import torch
 
-from polytrain.bench.fsdp import FsdpBenchConfig, cases, format_markdown, format_text, run_plain, run_polytrain, \
+from polytrain.bench.fsdp import FsdpBenchConfig, cases, format_markdown, format_text, plain_command, run_polytrain, \
     run_suite
 from polytrain.cli.bench import bench_config
 from polytrain.data.registry import build_data
 from polytrain.errors import ConfigError
 from polytrain.models.registry import build_model
+from tests.bench.forked import run_script
 
 TINY = FsdpBenchConfig(model="transformer_lm:layers=2,dim=32,heads=2", data="text:seq_len=16", worker_batch_size=4,
                        workers=2, warmup=2, steps=3, repeats=1, optimizer="adam", lr=0.01)
@@ -26,8 +28,12 @@ def test_the_plain_loop_trains_exactly_like_polytrain_fsdp(tmp_path):
     equal. The bound, 1e-6 of each tensor's norm, allows only float32 rounding (a reduction reordered:
     about 1e-7, which Adam's first steps carry into the weights as a few ulps of lr): one step's change at
     lr 0.01 is about 1e-2 of the norm, so another batch, initial value, loss weight or update would fail."""
-    plain, fsdp = cases(TINY)[1], cases(TINY)[0]
-    measured = run_plain(plain, TINY, 0, tmp_path, save_model=tmp_path / "plain.pt")
+    fsdp = cases(TINY)[0]
+    # the plain loop forked from this process's forkserver (tests/bench/forked.py); the quick suite below runs it as
+    # the bench does, its own command
+    result, err = tmp_path / "plain.json", tmp_path / "plain.err"
+    assert run_script(plain_command(TINY, result, tmp_path / "plain.pt"), err) == 0, err.read_text()
+    measured = json.loads(result.read_text())
     assert measured["timed_steps"] == 3 and measured["global_batch"] == 8 and measured["examples_per_sec"] > 0
     ours = run_polytrain(fsdp, TINY, 0, tmp_path, save_model=tmp_path / "fsdp.pt")
     assert ours["examples_per_sec"] > 0

@@ -1,8 +1,8 @@
 """The benchmark's runners: the plain DDP script does exactly polytrain sync's steps, and windows are read
-from real metrics files."""
+from real metrics files. The script runs forked from this process's forkserver (tests/bench/forked.py); the bench
+runs it as its own command (tests/cli/test_bench.py, and the failing run below)."""
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -10,18 +10,18 @@ import torch
 import polytrain
 from polytrain.bench.cases import BenchConfig, plan, tokens_per_example
 from polytrain.bench.measure import BenchError, ddp_command, run_case, window_from_metrics
+from tests.bench.forked import run_script
 
 SMALL = BenchConfig(model="cifar_cnn", data="synthetic:shape=3x24x24,size=64,test_size=0", worker_batch_size=4,
                     workers=2, warmup=2, steps=4, repeats=1, lr=0.05)
 
 
-def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path, cli_env):
+def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path):
     """Same model, data, batches, optimizer and seed: the comparison in `polytrain bench` is like for like."""
     ddp = next(c for c in plan(SMALL, cores=2) if c.key == "ddp")
     result, ddp_weights = tmp_path / "ddp.json", tmp_path / "ddp.pt"
-    done = subprocess.run(ddp_command(ddp, SMALL, result, ddp_weights), env=cli_env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    err = tmp_path / "ddp.err"
+    assert run_script(ddp_command(ddp, SMALL, result, ddp_weights), err) == 0, err.read_text()
     measured = json.loads(result.read_text())
     assert measured["timed_steps"] == 4 and measured["global_batch"] == 8 and measured["examples_per_sec"] > 0
 
@@ -38,22 +38,20 @@ def test_the_ddp_script_trains_exactly_like_polytrain_sync(tmp_path, cli_env):
 
     # the ceiling case really exchanges nothing: rank 0 then trains on its own halves only
     alone = next(c for c in plan(SMALL, cores=2) if c.key == "no_exchange")
-    done = subprocess.run(ddp_command(alone, SMALL, tmp_path / "alone.json", tmp_path / "alone.pt"), env=cli_env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    assert run_script(ddp_command(alone, SMALL, tmp_path / "alone.json", tmp_path / "alone.pt"), err) == 0, \
+        err.read_text()
     solo = torch.load(tmp_path / "alone.pt", weights_only=True)
     assert max((solo[n] - theirs[n]).norm() / theirs[n].norm() for n in solo) > 1e-3
 
 
-def test_the_ddp_script_trains_a_language_model_exactly_like_polytrain_sync(tmp_path, cli_env):
+def test_the_ddp_script_trains_a_language_model_exactly_like_polytrain_sync(tmp_path):
     """`polytrain bench --model transformer_lm --data text`: the script's token-mean cross-entropy on the same
     windows takes polytrain sync's steps."""
     lm = BenchConfig(model="transformer_lm:layers=1,dim=32,heads=2", data="text:seq_len=16", worker_batch_size=4,
                      workers=2, warmup=2, steps=4, repeats=1, lr=0.05)
     ddp = next(c for c in plan(lm, cores=2) if c.key == "ddp")
-    done = subprocess.run(ddp_command(ddp, lm, tmp_path / "ddp.json", tmp_path / "ddp.pt"), env=cli_env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    err = tmp_path / "ddp.err"
+    assert run_script(ddp_command(ddp, lm, tmp_path / "ddp.json", tmp_path / "ddp.pt"), err) == 0, err.read_text()
     polytrain.fit(model=lm.model, data=lm.data, strategy="sync", workers="2", batch_size=8, steps=6,
                   optimizer="sgd", lr=lm.lr, momentum=lm.momentum, seed=lm.seed, eval_every=0, progress="off",
                   save_model=str(tmp_path / "sync.pt"))

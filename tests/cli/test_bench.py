@@ -22,9 +22,10 @@ def polytrain(*args, env, cwd, timeout=600):
 
 
 @pytest.fixture
-def bench(tmp_path, capsys, monkeypatch):
+def bench(tmp_path, capsys, monkeypatch, warm_forkserver):
     """``polytrain bench ARGS`` run in ``tmp_path`` through the command's main in this process (a command of its own
-    would import torch once more). Its single cases run in this process too: its CPU threads are set back after."""
+    would import torch once more), its workers forked from this process's forkserver (warm_forkserver). Its single
+    cases run in this process too: its CPU threads are set back after."""
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     yield lambda *args: run_here(capsys, "bench", *args)

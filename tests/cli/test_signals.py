@@ -96,14 +96,14 @@ def _end_record(metrics):
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_sigterm_mid_run_stops_at_the_next_step_with_a_checkpoint_and_resumes_bit_for_bit(cli_env, capsys, tmp_path,
-                                                                                          name):
+                                                                                          name, warm_forkserver):
     """The agreed-step protocol, whatever the timing: each trainer rank proposes the first step after it knew of
     the request that ends with a collective (with --log-every 1: the next one), the stop is the largest
     proposal, no rank passes it, the checkpoint is at it, and the resumed run ends bit for bit like one that was
     never stopped."""
     args = [*COMMON, *STRATEGIES[name]]
-    # the run never stopped, and below the resumed one, through the command's main in this process (its forkserver
-    # serves them both): only the stopped run is about the command's own process
+    # the run never stopped, and below the resumed one, through the command's main in this process (this process's
+    # forkserver, warm_forkserver's, serves them both): only the stopped run is about the command's own process
     whole = run_here(capsys, "train", *args, "--save-model", str(tmp_path / "w.pt"))
     assert whole.returncode == 0, whole.stderr
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"

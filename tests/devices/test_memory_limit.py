@@ -17,6 +17,7 @@ from polytrain.devices import memory_limit
 from polytrain.devices.memory_limit import ADVICE, apply_memory_limit, limited, memory_error, parse_size, vm_data
 from polytrain.errors import ConfigError, DeviceError, MemoryLimitError
 from tests.helpers.cli_batch import run_here
+from tests.helpers.forked import run_forked
 from tests.helpers.procs import alive, descendants
 
 #: ~4.9 M parameters: 74 MiB of float32 parameters, gradients and Adam state, over a limit 1.6x below that
@@ -67,30 +68,10 @@ def _one_line_past_the_limit(stderr, ranks, limit=LIMIT):
     assert match and int(match.group(1)) in ranks and line.endswith(ADVICE), line
 
 
-def _in_a_fresh_process(fn, *args, stderr=None) -> int:
-    """``fn(*args)`` in a process forked from this process's forkserver (torch imported, nothing run: what a
-    fresh command holds at its start, without its import of torch); its stderr into the file ``stderr``. The
-    process's exit code."""
-    from polytrain.distributed.processes import start_context
-
-    proc = start_context().Process(target=_redirected, args=(fn, args, stderr and str(stderr)))
-    proc.start()
-    proc.join(300)
-    return proc.exitcode
-
-
-def _redirected(fn, args, stderr):
-    import os
-
-    if stderr:
-        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-    sys.exit(fn(*args))
-
-
 def test_single_past_the_limit_fails_with_one_line(tmp_path):
     """Also where 4 fsdp ranks or 4 pipeline stages train (test_fsdp_and_pipeline_with_4_ranks_...). The
     command's main in a fresh process: single trains in it, limited from its start."""
-    code = _in_a_fresh_process(main, ["train", "--strategy", "single", *MODEL, "--memory-limit", FOUR_RANKS_LIMIT],
+    code = run_forked(main, ["train", "--strategy", "single", *MODEL, "--memory-limit", FOUR_RANKS_LIMIT],
                                stderr=tmp_path / "stderr")
     assert code == 1
     _one_line_past_the_limit((tmp_path / "stderr").read_text(), [0], FOUR_RANKS_LIMIT)
@@ -232,7 +213,7 @@ def _counts_from_start():
 def test_the_limit_counts_from_what_the_process_holds_at_its_start(tmp_path):
     """In a fresh process: one that has run others' tests may hold freed memory in its heap, which counts in
     its baseline and serves an allocation without a new mapping."""
-    code = _in_a_fresh_process(_counts_from_start, stderr=tmp_path / "stderr")
+    code = run_forked(_counts_from_start, stderr=tmp_path / "stderr")
     assert code == 0, (tmp_path / "stderr").read_text()
 
 
@@ -261,7 +242,7 @@ def _hard_limit_below():
 
 def test_a_hard_limit_below_the_asked_one_is_one_line(tmp_path):
     """In a fresh process: the hard limit it lowers cannot be raised again."""
-    code = _in_a_fresh_process(_hard_limit_below, stderr=tmp_path / "stderr")
+    code = run_forked(_hard_limit_below, stderr=tmp_path / "stderr")
     stderr = (tmp_path / "stderr").read_text()
     assert code == 1
     assert re.search(r"ConfigError: --memory-limit 1GiB: this process may not raise its data limit above "

@@ -84,10 +84,9 @@ def test_a_command_run_inside_a_program_leaves_the_helpers_it_found_and_ends_the
     """``main`` in a process that had a forkserver before (a notebook, a script, this test's process) keeps it:
     the program's next workers start from it without another import of torch. Helpers not kept end (as a
     command's own do at its end: tests/cli/test_signals.py checks that no process outlives the command)."""
-    from multiprocessing import forkserver
-
     from polytrain.cli.main import main
-    from polytrain.distributed.processes import helper_processes, start_context, stop_helper_processes
+    from polytrain.distributed.mp_helpers import forkserver_pid, helper_processes
+    from polytrain.distributed.processes import start_context, stop_helper_processes
     from tests.helpers.procs import alive
 
     proc = start_context().Process(target=_nothing)  # the forkserver and the resource tracker, running
@@ -98,6 +97,6 @@ def test_a_command_run_inside_a_program_leaves_the_helpers_it_found_and_ends_the
     assert main(["checkpoint", "inspect", "/nonexistent"]) != 0
     capsys.readouterr()
     assert helper_processes() == found and alive(sorted(found)) == sorted(found)
-    kept = {forkserver._forkserver._forkserver_pid}  # (this process's next tests start their workers from it)
+    kept = {forkserver_pid()}  # (this process's next tests start their workers from it)
     stop_helper_processes(keep=kept)
     assert helper_processes() == kept and alive(sorted(found)) == sorted(kept)  # the resource tracker ended

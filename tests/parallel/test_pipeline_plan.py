@@ -67,7 +67,7 @@ def test_the_chart_names_each_rank_and_both_bubbles():
 
 def test_polytrain_plan_prints_without_starting_anything(capsys):
     # the command's main in this process: no helper process of multiprocessing is started by it either
-    from polytrain.distributed.processes import helper_processes
+    from polytrain.distributed.mp_helpers import helper_processes
 
     before = helper_processes()
     out = run_here(capsys, "plan", "--strategy", "pipeline", "--pp", "4", "--microbatches", "8", "--schedule",

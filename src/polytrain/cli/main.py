@@ -21,7 +21,8 @@ from polytrain.cli import train as train_cmd
 from polytrain.cli.main_light import Parser
 from polytrain.cli.starting import starting_done
 from polytrain.distributed.prestart import prestarted_pids
-from polytrain.distributed.processes import helper_processes, stop_helper_processes
+from polytrain.distributed.mp_helpers import helper_processes
+from polytrain.distributed.processes import stop_helper_processes
 from polytrain.train.startup import run_environment
 from polytrain.distributed.stop import StopNow, exit_code
 from polytrain.errors import PolytrainError, RunStopped

@@ -22,6 +22,7 @@ import os
 from typing import Sequence
 
 from polytrain.builtin_strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
+from polytrain.distributed.mp_helpers import forkserver_pid, tracker_pid
 
 #: what the forkserver imports once, so that no worker imports it again: torch._dynamo too (a torch optimizer
 #: imports it when the first one is made: 800 modules, seconds of CPU in every worker otherwise); the run's own
@@ -52,14 +53,14 @@ def prestart(argv: Sequence[str]) -> None:
 
     module = BUILTIN_STRATEGIES[strategy]
     preload = [*PRELOAD, module, *_IMPORTS_WITH.get(module, ())]
-    tracker = _tracker_pid()
+    tracker = tracker_pid()
     forkserver.set_forkserver_preload(preload)
     forkserver.ensure_running()  # from the main thread: the forkserver dies with it (forkserver_init)
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = forkserver_pid()
     if pid is not None:
         _started[pid] = frozenset(preload)
-    if tracker is None and _tracker_pid() is not None:  # multiprocessing's resource tracker, started with it
-        _trackers.add(_tracker_pid())
+    if tracker is None and (started := tracker_pid()) is not None:  # multiprocessing's resource tracker, with it
+        _trackers.add(started)
 
 
 def prestarted(pid: int | None) -> frozenset[str] | None:
@@ -70,12 +71,6 @@ def prestarted(pid: int | None) -> frozenset[str] | None:
 def prestarted_pids() -> set[int]:
     """The helper processes :func:`prestart` started: the forkserver, and the resource tracker with it."""
     return set(_started) | _trackers
-
-
-def _tracker_pid() -> int | None:
-    from multiprocessing import resource_tracker
-
-    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
 
 
 def stop_prestarted() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from polytrain.distributed.mp_helpers import forkserver_pid, helper_processes, helper_table
 from polytrain.distributed.prestart import PRELOAD, prestarted
 from polytrain.distributed.stop import StopSignal
 from polytrain.errors import ConfigError
@@ -49,9 +50,9 @@ def start_context(job: Any = None) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
         wanted = [*PRELOAD, *strategy_modules()]
-        early = prestarted(_forkserver_pid())  # started at the command's first moment (distributed/prestart.py)
+        early = prestarted(forkserver_pid())  # started at the command's first moment (distributed/prestart.py)
         if early is not None and not set(wanted) <= early:  # the guess missed a module: a forkserver as always
-            stop_helper_processes(keep=helper_processes() - {_forkserver_pid()})
+            stop_helper_processes(keep=helper_processes() - {forkserver_pid()})
         # (only read when the forkserver starts: once per launcher process)
         ctx.set_forkserver_preload(wanted)
     return ctx
@@ -112,7 +113,7 @@ def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
 
     # spawned from this (main) thread: the kernel ends the forkserver when the thread that started it ends
     forkserver.ensure_running()
-    pid = _forkserver_pid()
+    pid = forkserver_pid()
     if pid is not None and pid in _WARM:
         return
     done = threading.Event()
@@ -131,28 +132,8 @@ def forkserver_ready(ctx: Any, stop: StopSignal | None) -> None:
         _WARM.add(pid)
 
 
-def _forkserver_pid() -> int | None:
-    from multiprocessing import forkserver
-
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-
-
 def _ready() -> None:
     """The forkserver's first child: nothing to do (it proves the forkserver has imported and forks)."""
-
-
-def _helpers() -> list[tuple[Any, str, str, bool]]:
-    """This process's multiprocessing helpers: (owner, its pid's attribute, its pipe's attribute, whether it is
-    given time to end by itself)."""
-    from multiprocessing import forkserver, resource_tracker
-
-    return [(getattr(forkserver, "_forkserver", None), "_forkserver_pid", "_forkserver_alive_fd", False),
-            (getattr(resource_tracker, "_resource_tracker", None), "_pid", "_fd", True)]
-
-
-def helper_processes() -> set[int]:
-    """The pids of this process's running forkserver and resource tracker (none: empty)."""
-    return {pid for owner, pid_attr, _, _ in _helpers() if (pid := getattr(owner, pid_attr, None)) is not None}
 
 
 def stop_helper_processes(timeout: float = 5.0, keep: set[int] | frozenset[int] = frozenset()) -> None:
@@ -161,9 +142,8 @@ def stop_helper_processes(timeout: float = 5.0, keep: set[int] | frozenset[int] 
     (a command run inside a longer program leaves the helpers that program had before it as it found them).
     The forkserver holds nothing to clean up and may still be importing torch: it is killed; the resource
     tracker is asked to end (it removes what a killed worker left registered) and killed after ``timeout``
-    seconds. Reaches into multiprocessing's own bookkeeping (``_forkserver``, ``_resource_tracker``): the
-    standard library stops them only at exit."""
-    for owner, pid_attr, fd_attr, waits in _helpers():
+    seconds (through :mod:`polytrain.distributed.mp_helpers`: the standard library stops them only at exit)."""
+    for owner, pid_attr, fd_attr, waits in helper_table():
         pid, fd = getattr(owner, pid_attr, None), getattr(owner, fd_attr, None)
         if pid is None or fd is None or pid in keep:
             continue

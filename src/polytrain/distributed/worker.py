@@ -24,6 +24,7 @@ from polytrain.distributed.context import Job, WorkerContext, with_heartbeat
 from polytrain.distributed.heartbeat import watch_peers
 from polytrain.distributed.lifetime import die_with_parent
 from polytrain.distributed.lost import LostRanks
+from polytrain.distributed.mp_helpers import release_inherited_forkserver
 from polytrain.distributed.rendezvous import connect_store
 from polytrain.distributed.stop import STOP_SIGNALS, StopSignal, exit_at_once
 from polytrain.distributed.supervisor import describe_exception, send_report
@@ -39,23 +40,12 @@ def _die_with_parent(rank: int) -> None:
     of the forkserver's "alive" pipe, which would keep the forkserver running after the launcher is gone:
     closed here. A thread watches the launcher's end of the process pipe as well, for a launcher that died
     before the signal was set and for ``spawn`` (the launcher is the parent). Shows as ``polytrain-rN``."""
-    _release_forkserver()
+    release_inherited_forkserver()
     die_with_parent(f"polytrain-r{rank}")
     parent = multiprocessing.parent_process()
     if parent is not None and parent.sentinel is not None:
         threading.Thread(target=_exit_when_gone, args=(parent.sentinel, parent.pid, rank),
                          name="polytrain-launcher-watch", daemon=True).start()
-
-
-def _release_forkserver() -> None:
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None and getattr(server, "_forkserver_pid", None) is None:  # inherited, not our own server's
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        server._forkserver_alive_fd = None
 
 
 def _exit_when_gone(sentinel: int, pid: int | None, rank: int) -> None:
