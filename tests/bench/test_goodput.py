@@ -84,6 +84,10 @@ def test_the_table_gives_each_jobs_median_and_spread_of_what_a_failure_cost():
            "results": [job], "skipped": {}}
     row = next(line for line in format_text(doc).splitlines() if line.startswith("| max-restarts"))
     assert "| 2.5 (2.0-4.0) | 1.5 (1.0-2.0) | 8 (4-15) | 3.0 -> 4.0 |" in row
+    # --jobs without the undisturbed one: no goodput to give, the rest of the row as it was
+    alone = dict(doc, results=[dict(job, goodput=None)])
+    row = next(line for line in format_text(alone).splitlines() if line.startswith("| max-restarts"))
+    assert "| - (no undisturbed job) |" in row and "| 8 (4-15) | 3.0 -> 4.0 |" in row
 
 
 def test_a_kill_the_job_never_came_back_from_is_lost_until_the_next_kill_or_the_end():

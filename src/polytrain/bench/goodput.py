@@ -317,8 +317,8 @@ def format_text(doc: dict[str, Any]) -> str:
              "| load before -> after |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        good = "1 (reference)" if r["side"] == "undisturbed" else (
-            f"{r['goodput']:.3f}" + (f" (target {r['target']})" if r["target"] else ""))
+        good = "1 (reference)" if r["side"] == "undisturbed" else "- (no undisturbed job)" \
+            if r["goodput"] is None else f"{r['goodput']:.3f}" + (f" (target {r['target']})" if r["target"] else "")
         if "lost_s" not in r:
             lost_time(r)
         by_lost = "-" if r["goodput_by_lost_time"] is None or not r["kills"] else f"{r['goodput_by_lost_time']:.3f}"
