@@ -40,9 +40,12 @@ def _start(args, env):
 
 
 def _steps_logged(metrics):
+    """The last step the run's metrics file holds so far: whole lines only (the run may be writing the next one)."""
     if not metrics.exists():
         return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    text = metrics.read_text()
+    text = text[:text.rfind("\n") + 1]
+    steps = [json.loads(line).get("step", 0) for line in text.splitlines() if line.strip()]
     return max([s for s in steps if isinstance(s, int)], default=0)
 
 
