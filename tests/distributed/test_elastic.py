@@ -1,6 +1,8 @@
 """The membership protocol's view of a slot, read from the launcher's store as the members read it: the launcher's
 death mark and a replacement's registration are compared by time, and no key a member reads is deleted under it
-(a TCPStore key deleted between a member's check and its read reads empty: that ended a goodput job's rank 0)."""
+(a TCPStore key deleted between a member's check and its read reads empty: that ended a goodput job's rank 0).
+The launcher's marks are set here through the member's own connection: a set on another connection (the server's)
+may reach the store after this connection's next read, and the protocol's members only ever poll for them."""
 
 import time
 from datetime import timedelta
@@ -23,7 +25,7 @@ def test_a_slot_is_dead_joining_or_back_as_its_marks_say_and_none_is_deleted_und
         store = connect_store("127.0.0.1", server.port, timedelta(seconds=5))
         member = _member(store, 0)
         assert not member._dead(2) and member._joiners() == []
-        mark_dead(server.store, 2)  # the launcher's word: slot 2's process ended
+        mark_dead(store, 2)  # the launcher's word: slot 2's process ended
         assert member._dead(2) and member._joiners() == []
         time.sleep(0.01)
         store.set(f"{PREFIX}/join/2", repr(time.time()))  # a replacement registered after the death
@@ -32,7 +34,7 @@ def test_a_slot_is_dead_joining_or_back_as_its_marks_say_and_none_is_deleted_und
         assert not member._joining(2) and not member._dead(2)
         assert store.check([f"{PREFIX}/dead/2"])  # (the old process's mark stays: a member may be reading it)
         time.sleep(0.01)
-        mark_dead(server.store, 2)  # the replacement died too
+        mark_dead(store, 2)  # the replacement died too
         assert member._dead(2) and not member._joining(2)
         store.set(f"{PREFIX}/dead/1", "")  # what a read of a key deleted under it returns: no mark
         assert not member._dead(1)
@@ -48,7 +50,7 @@ def test_a_replacement_registered_while_its_slot_is_marked_dead_is_the_joiner():
         member = _member(store, 0)
         store.set(f"{PREFIX}/join/1", repr(time.time()))
         time.sleep(0.01)
-        mark_dead(server.store, 1)  # the first replacement died waiting
+        mark_dead(store, 1)  # the first replacement died waiting
         assert member._joiners() == [] and member._dead(1)
         time.sleep(0.01)
         store.set(f"{PREFIX}/join/1", repr(time.time()))
