@@ -233,15 +233,30 @@ def test_a_second_signal_to_one_worker_ends_it_at_once_and_the_job_with_it(cli_e
     _gone_within(tree, HANG_S)
 
 
+def _job_tree_until_it_ends(proc):
+    """Every process of the job seen from the command's start to its end (polled every 10 ms while a thread reads
+    its output), and the command's output: a worker counts however soon its run ends."""
+    import threading
+
+    output = {}
+    reader = threading.Thread(target=lambda: output.update(zip(("out", "err"), proc.communicate(timeout=HANG_S))),
+                              daemon=True)
+    reader.start()
+    seen = []
+    while reader.is_alive():
+        seen += [pid for pid in descendants(proc.pid) if pid not in seen]
+        time.sleep(0.01)
+    reader.join()
+    return seen, output["out"], output["err"]
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_the_command_leaves_no_process_behind_when_it_ends_or_fails(cli_env, tmp_path, fail):
     env = dict(cli_env, POLYTRAIN_INJECT_KILL="rank=1,steps=5") if fail else cli_env
     metrics = tmp_path / "m.jsonl"
     proc = _start([*COMMON, *STRATEGIES["sync"], "--steps", "20", "--metrics-file", str(metrics)], env)
-    _wait_for_step(proc, metrics, 1)
-    tree = descendants(proc.pid)  # the forkserver and the resource tracker among them
-    assert len(tree) >= 5, tree
-    out, err = proc.communicate(timeout=HANG_S)
+    tree, out, err = _job_tree_until_it_ends(proc)
+    assert len(tree) >= 5, tree  # the command, its forkserver and resource tracker, and the two workers
     assert proc.returncode == (1 if fail else 0), err
     assert alive(tree) == [], f"left after the command ended: {alive(tree)}"
 
