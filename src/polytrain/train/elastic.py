@@ -52,6 +52,7 @@ from polytrain.data.batches import Slice
 from polytrain.distributed.elastic import Generation, Membership, MembershipError
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger, setup_logging
+from polytrain.train.background import copy_state
 from polytrain.train.faults import KILL_ENV, agree_with_rank0
 from polytrain.train.heal import heal
 from polytrain.train.on_failure import continuing, expendable, members_layout
@@ -325,14 +326,9 @@ def local_state(strategy: Any) -> dict[str, Any]:
 
 
 def _clone(state: Any) -> Any:
-    """A deep copy whose tensors are detached copies (a state_dict's tensors are the live ones)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_clone(v) for v in state)
-    return copy.deepcopy(state)
+    """A copy of ``state`` whose tensors are detached copies on their own device (a state_dict's tensors are the
+    live ones)."""
+    return copy_state(state, leaf=lambda tensor: tensor.detach().clone())
 
 
 def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:

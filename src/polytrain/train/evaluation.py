@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, ContextManager
 
+import torch
+
+from polytrain.data.batches import eval_batches
 from polytrain.devices import memory_limit
 from polytrain.errors import MemoryLimitError
 from polytrain.log import get_logger
@@ -79,6 +82,37 @@ class EvalBatchSize:
                           f"{needs[0] / MIB:.1f} and {needs[1] / MIB:.1f} MiB measured for {small} and {large}, "
                           f"{room / MIB:.1f} MiB left)")
         return self.size
+
+
+@torch.no_grad()
+def evaluate(session: Any, topology: Any, batch: EvalBatchSize,
+             apart: Callable[[], ContextManager[Any]]) -> tuple[float, float]:
+    """The run's model on its test set (every trainer rank: each its slice of it, reduced over ``topology``): the
+    mean loss and accuracy. The batches' size is ``batch``'s, decided here the first time under a limit
+    (``apart``: the memory meter's measured block)."""
+    s = session
+    was_training = s.model.training
+    s.model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=topology.device)  # loss, correct, units
+
+    def probe(count: int) -> None:  # one batch of `count` examples, its result dropped (sizing the batches)
+        for x, y in eval_batches(s.data.test, count, s.slice, topology.device):
+            with s.devices.context():
+                s.strategy.eval_step(x, y)
+            return
+
+    with memory_limit.evaluating(batch.size or batch.given or batch.micro):
+        size = batch.decide(probe, apart, topology.all_gather_object)
+    with memory_limit.evaluating(size):
+        for x, y in eval_batches(s.data.test, size, s.slice, topology.device):
+            with s.devices.context():
+                part = s.strategy.eval_step(x, y)
+            if part is not None:
+                sums += part
+    topology.all_reduce_sum(sums)
+    s.model.train(was_training)
+    loss_sum, correct, count = sums.tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1)
 
 
 def saved_first(exc: BaseException, step: int, saved: list[str]) -> BaseException:

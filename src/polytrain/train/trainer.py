@@ -30,9 +30,8 @@ from torch import nn
 import polytrain.components  # noqa: F401  (a worker unpickles the config of every registered section)
 from polytrain.config import RunConfig
 from polytrain.data.base import DataBundle
-from polytrain.data.batches import SlicedBatches, eval_batches
+from polytrain.data.batches import SlicedBatches
 from polytrain.data.stream import StreamBatches, StreamPlan
-from polytrain.devices import memory_limit
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.stop import StopSignal
 from polytrain.distributed.topology import Topology
@@ -42,7 +41,7 @@ from polytrain.strategies.step import RunSource
 from polytrain.train import elastic, outputs, session
 from polytrain.train.background import CheckpointWrites
 from polytrain.train.snapshot import snapshot_due, snapshots_of
-from polytrain.train.evaluation import EvalBatchSize, saved_first
+from polytrain.train.evaluation import EvalBatchSize, evaluate, saved_first
 from polytrain.train.example_ids import example_ids
 from polytrain.train.loggers import RunLog
 from polytrain.train.memory import MemoryMeter
@@ -336,36 +335,11 @@ class Trainer:
             "eta_s": None if left is None else round(left, 1),  # the wall seconds the steps left should take
         }
 
-    @torch.no_grad()
     def _evaluate(self, run_log: RunLog, step: int) -> tuple[float, float | None]:
         self._check_finite()
-        s, topo = self.session, self.topology
-        was_training = s.model.training
-        s.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=topo.device)  # loss, correct, units
-        size = self.eval_batch.size or self.config.train.eval_batch_size or self.eval_batch.micro
-        with memory_limit.evaluating(size):
-            size = self.eval_batch.decide(self._probe_evaluation, self.memory.apart, topo.all_gather_object)
-        with memory_limit.evaluating(size):
-            for x, y in eval_batches(s.data.test, size, s.slice, topo.device):
-                with s.devices.context():
-                    part = self.strategy.eval_step(x, y)
-                if part is not None:
-                    sums += part
-        topo.all_reduce_sum(sums)
-        s.model.train(was_training)
-        loss_sum, correct, count = sums.tolist()
-        result = (loss_sum / max(count, 1), correct / max(count, 1))
-        run_log.evaluation(step, *result, s.task.metrics(*result))
+        result = evaluate(self.session, self.topology, self.eval_batch, self.memory.apart)
+        run_log.evaluation(step, *result, self.session.task.metrics(*result))
         return result
-
-    def _probe_evaluation(self, count: int) -> None:
-        """One evaluation batch of ``count`` examples, its result dropped (sizing the batches: evaluation.py)."""
-        s = self.session
-        for x, y in eval_batches(s.data.test, count, s.slice, self.topology.device):
-            with s.devices.context():
-                self.strategy.eval_step(x, y)
-            return
 
     def _final_evaluation(self, run_log: RunLog, step: int, saved: list[str]) -> tuple[float, float | None]:
         """The evaluation after the last step, once the result is written: its error says where that is."""
