@@ -126,9 +126,11 @@ def largest_difference(root: Path, cell: tuple[str, str, str], reference: dict[s
 
 #: Adam divides by the root of its second moment, so the last bits a reduction order changes grow over steps:
 #: a strategy's distance from ``single`` is bounded by sync's own (its gradients all-reduced, nothing else
-#: different), times this (measured on the whole matrix: at most 5.3, tp 2 on the Llama), and never below
-#: :data:`ADAM_FLOOR`
-ADAM_FACTOR, ADAM_FLOOR = 10.0, 1e-6
+#: different), times this (measured on the whole matrix: at most 5.3, tp 2 on the Llama; 10.2 for the same cell
+#: on an AVX-512 CPU, whose kernels sum in another order), and never below :data:`ADAM_FLOOR`: a tenth of the
+#: least the eight steps move the weights (the test asserts more than 1e-3), which a wrong split or a lost update
+#: passes by orders of magnitude, where sync's own distance alone can be small by chance
+ADAM_FACTOR, ADAM_FLOOR = 10.0, 1e-4
 
 
 def adam_bound(sync_distance: float) -> float:
