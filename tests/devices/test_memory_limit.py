@@ -97,8 +97,9 @@ def test_fsdp_and_pipeline_with_4_ranks_train_within_a_limit_single_cannot():
     fsdp ranks holds a quarter of the 74 MiB of state (a unit's gathered parameters, freed each step, are
     returned to the kernel, not kept) and each of 4 pipeline stages its own units': 2, 1, 1 and 2 of the 6 blocks,
     the embedding and the head with the outer ones (cut with --split-at: the measured split balances forward and
-    backward time, which a loaded machine moves, and put 4 units on one stage under a CPU burner). In this process (the workers are fresh processes, limited from their own
-    start, as the command's are); a test split of 1 % keeps the final evaluation short."""
+    backward time, which a loaded machine moves, and put 4 units on one stage under a CPU burner). In this process
+    (the workers are fresh processes, limited from their own start, as the command's are); a test split of 1 %
+    keeps the final evaluation short."""
     run = dict(model="transformer_lm:layers=6,dim=256,heads=4", data="text:seq_len=32,test_fraction=0.01",
                optimizer="adam", batch_size=8, steps=3, progress="off", eval_batch_size=8,
                memory_limit=FOUR_RANKS_LIMIT)
