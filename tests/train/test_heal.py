@@ -16,6 +16,7 @@ import polytrain
 from polytrain.api import make_config
 from polytrain.data.buckets import batch_plan
 from polytrain.data.registry import build_data
+from polytrain.distributed.elastic import CHANGE_KILL_ENV
 from polytrain.distributed.layout import Layout
 from polytrain.errors import ConfigError, StateLost
 from polytrain.strategies import get_strategy
@@ -94,6 +95,39 @@ def test_it_used_every_global_batch_of_an_uninterrupted_run_once(healed):
     plan = batch_plan(build_data("digits").train, BATCH, 0)
     assert sorted(ids) == list(range(1, STEPS + 1)), where
     assert all(ids[step]["ids"] == plan.global_indices(step - 1).tolist() for step in ids), where
+
+
+def test_a_replacement_lost_while_the_members_rebuild_2_by_2_is_absorbed_without_waiting_out_the_timeout(
+        tmp_path, monkeypatch):
+    """Rank 3 SIGKILLed after a step: the survivors go on as 1 x 3. Its replacement, admitted 2 steps later,
+    SIGKILLs itself after the group of 4 was made and before the strategy is built over it, whose 2 x 2 mesh
+    makes groups of its own, each a rendezvous in the store that cutting connections does not release (without
+    the members' wait before the build, they waited there past --timeout). The members find it dead before making
+    the mesh, agree again and go on as 1 x 3, equal bit for bit to the chain of a 2 x 2 run to the step of the kill
+    and a 1 x 3 run from there."""
+    killed = draw("heal[replacement lost in the rebuild]", 2, 4)
+    monkeypatch.setenv(KILL_ENV, f"rank=3,steps={killed}")
+    monkeypatch.setenv(JOIN_AT_ENV, str(killed + 2))
+    monkeypatch.setenv(CHANGE_KILL_ENV, "3:2:rebuild")  # slot 3's replacement, in the change to generation 2
+    summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", max_restarts=1, timeout=300,
+                            metrics_file=str(tmp_path / "elastic.jsonl"), save_model=str(tmp_path / "elastic.pt"),
+                            **BASE, **HSDP)
+    where = f"rank 3 killed after step {killed}, its replacement in the rebuild"
+    assert summary["steps"] == STEPS and summary["workers"] == 3 and not summary.get("restarts"), where
+    changes = summary["membership_changes"]
+    assert [(c["step"], c["workers"], c["lost"]) for c in changes] == [(killed, 3, [3]), (killed + 2, 3, [])], \
+        (where, changes)
+    # what this guards against is a wait of --timeout (300 s) inside the mesh's rendezvous; a change takes seconds
+    assert changes[1]["seconds"] < 100, (where, changes)
+    monkeypatch.delenv(KILL_ENV)
+    monkeypatch.delenv(CHANGE_KILL_ENV)
+    chain = dict(checkpoint_dir=str(tmp_path / "ck"), metrics_file=str(tmp_path / "chain.jsonl"), **BASE)
+    polytrain.fit(steps=killed, workers=4, **HSDP, **chain)
+    polytrain.fit(steps=STEPS, resume=True, workers=3, save_model=str(tmp_path / "chain.pt"), **chain)
+    mine, theirs = _losses(tmp_path / "elastic.jsonl"), _losses(tmp_path / "chain.jsonl")
+    assert len(mine) >= STEPS - 1 and all(mine[step] == theirs[step] for step in mine), where
+    model, reference = torch.load(tmp_path / "elastic.pt"), torch.load(tmp_path / "chain.pt")
+    assert model.keys() == reference.keys() and all(torch.equal(model[k], reference[k]) for k in model), where
 
 
 def test_each_shard_comes_from_a_holder_at_the_step_and_a_shard_no_survivor_holds_is_one_line():

@@ -23,7 +23,10 @@ Going from generation N to N+1, to leave a lost member behind or to let joiners 
 Before the new group is made (:meth:`Membership.make_group`), every member of it says ``g<N+1>/ready/<slot>`` and
 waits until each member did or is dead: a member that dies between the decision and the group (a second death
 during a change) is found at once, and the others agree again without it, instead of waiting out ``--timeout``
-for it inside the group's rendezvous.
+for it inside the group's rendezvous. The same wait comes again before the strategy is built over the new group
+(:meth:`Membership.ready_to_build`: ``g<N+1>/build/<slot>``), whose mesh makes groups of its own (fsdp's
+``dp_replicate x dp_shard``): a member lost while the others rebuilt (a sharded model's fresh copy takes seconds)
+would otherwise leave them waiting in those groups' rendezvous, where cutting connections releases nothing.
 
 A replacement (:func:`polytrain.distributed.joining.join`) registers under ``join/<slot>`` (the time) and waits
 for ``admitted/<slot>`` (or for the job to end: ``closed``); the members look for joiners at step boundaries
@@ -62,7 +65,8 @@ PREFIX = "polytrain/elastic"
 HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distributed/heartbeat.py), keyed by slot
 POLL_S = 0.02
 #: for tests: ``SLOT:N``, the member in slot SLOT SIGKILLs itself in the change to generation N, once the decision
-#: (which counts it in) was read and before the new group is made (a second death during a change)
+#: (which counts it in) was read and before the new group is made (a second death during a change);
+#: ``SLOT:N:rebuild``, after the group is made, while the members build the strategy again over it
 CHANGE_KILL_ENV = "POLYTRAIN_INJECT_CHANGE_KILL"
 
 
@@ -148,7 +152,7 @@ class Membership:
     def make_group(self) -> None:
         g = self.generation
         if g.number:
-            self._ready(g)
+            self._ready(g, "ready", "before the group of generation {n} was made")
         store = dist.PrefixStore(self._key(f"g{g.number}", "pg"), self.store)
         dist.init_process_group(self.backend, store=store, rank=g.rank_of(self.slot), world_size=len(g.slots),
                                 timeout=self.timeout)
@@ -218,20 +222,28 @@ class Membership:
         self.make_group()
         return decided
 
-    def _ready(self, generation: Generation) -> None:
-        """Say this member is about to make ``generation``'s group, and wait until every member did or is dead:
+    def ready_to_build(self) -> None:
+        """Before the strategy is built again over the current generation's group (its mesh makes groups, each a
+        rendezvous in the store): wait until every member is about to, or is dead (then
+        :class:`CommunicationError`: the trainer agrees again without it)."""
+        g = self.generation
+        _injected_kill(self.slot, g.number, "rebuild")
+        if g.number and len(g.slots) > 1:
+            self._ready(g, "build", "while generation {n} was being built")
+
+    def _ready(self, generation: Generation, stage: str, when: str) -> None:
+        """Say this member reached ``stage`` of making ``generation``, and wait until every member did or is dead:
         :class:`CommunicationError` (a lost peer: the trainer agrees again) for a dead one, :class:`MembershipError`
         past --timeout."""
-        self.store.set(self._key(f"g{generation.number}", "ready", self.slot), "1")
+        self.store.set(self._key(f"g{generation.number}", stage, self.slot), "1")
         others = [s for s in generation.slots if s != self.slot]
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            waiting = [s for s in others if not self.store.check([self._key(f"g{generation.number}", "ready", s)])]
+            waiting = [s for s in others if not self.store.check([self._key(f"g{generation.number}", stage, s)])]
             dead = [s for s in waiting if self._dead(s)]
             if dead:
                 raise CommunicationError(f"--on-failure continue: worker slot(s) {', '.join(map(str, dead))} died "
-                                         f"before the group of generation {generation.number} was made; agreeing "
-                                         "again without")
+                                         f"{when.format(n=generation.number)}; agreeing again without")
             if not waiting:
                 return
             if time.monotonic() > deadline:
@@ -335,12 +347,14 @@ class Membership:
             self.store.set(self._key("closed"), "1")
 
 
-def _injected_kill(slot: int, number: int) -> None:
-    """``POLYTRAIN_INJECT_CHANGE_KILL=SLOT:N`` (tests): SIGKILL this process in the change to generation N."""
+def _injected_kill(slot: int, number: int, stage: str = "") -> None:
+    """``POLYTRAIN_INJECT_CHANGE_KILL=SLOT:N[:STAGE]`` (tests): SIGKILL this process in the change to generation N,
+    at ``stage`` (none: before its group is made; ``rebuild``: before the strategy is built over it)."""
     spec = os.environ.get(CHANGE_KILL_ENV, "")
-    if spec and tuple(map(int, spec.split(":"))) == (slot, number):
+    parts = spec.split(":")
+    if spec and (int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "") == (slot, number, stage):
         get_logger().warning(f"{CHANGE_KILL_ENV}: worker slot {slot} kills itself in the change to generation "
-                             f"{number}", extra=EVERY_RANK)
+                             f"{number}{' (' + stage + ')' if stage else ''}", extra=EVERY_RANK)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

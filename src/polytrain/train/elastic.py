@@ -239,6 +239,7 @@ class ElasticRun:
         s = self.session
         topology = self.membership.topology()
         layout = members_layout(self._cls, topology.world_size, self.membership.launched, self._options)
+        self.membership.ready_to_build()  # (its mesh's groups wait for every member: a lost one is found first)
         strategy = make_strategy(s.config, topology, layout)
         lr = run_lr(s.config, s.plan.global_batch)
         prepare_strategy(strategy, module if module is not None else self._module, s.config, self._recipe, s.devices,

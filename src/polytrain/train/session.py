@@ -213,14 +213,18 @@ def _tokenizer_line(config: RunConfig) -> list[str]:
 
 
 def build(config: RunConfig, topology: Topology, *, model: nn.Module | None = None,
-          data: DataBundle | None = None, layout: Layout | None = None) -> Session:
+          data: DataBundle | None = None, layout: Layout | None = None,
+          before_strategy: Callable[[], None] | None = None) -> Session:
     """This rank's session for ``config``; ``layout``: the job's, as the launching process decided it (None:
-    the strategy's for this process group's size)."""
+    the strategy's for this process group's size); ``before_strategy``: called just before the strategy is made
+    (a replacement waits there for its new peers: :meth:`~polytrain.distributed.elastic.Membership.ready_to_build`)."""
     config = copy.deepcopy(config)
     seed_everything(config.train.seed)
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     data = data if data is not None else _build_data(config)
+    if before_strategy is not None:
+        before_strategy()
     strategy = make_strategy(config, topology, layout)
     mine, slices = data_slice(strategy), strategy.layout.slices
     global_batch = config.global_batch(slices)
