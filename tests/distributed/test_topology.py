@@ -62,3 +62,21 @@ def test_sync_takes_its_slices_from_the_dp_axis_of_the_whole_world():
     results = spawn(_default_layout, 2)
     assert [(shard.index, shard.count) for shard, _, _ in results] == [(0, 2), (1, 2)]
     assert all(pp == 1 and same_group for _, pp, same_group in results)
+
+
+def _gathered(ctx):
+    topo = ctx.topology
+    small = (topo.rank, 0.5 * topo.rank, None, {"key": [topo.rank] * 3})
+    mixed = "x" * (5000 if topo.rank == 1 else 10)  # one rank's pickle over GATHER_BYTES: every rank falls back
+    exact = b"y" * 1000
+    return topo.all_gather_object(small), topo.all_gather_object(mixed), topo.all_gather_object(exact)
+
+
+def test_all_gather_object_returns_every_ranks_object_small_or_past_the_one_collective_size():
+    from polytrain.distributed.topology import GATHER_BYTES
+
+    assert GATHER_BYTES < 5000
+    for small, mixed, exact in spawn(_gathered, 3):
+        assert small == [(r, 0.5 * r, None, {"key": [r] * 3}) for r in range(3)]
+        assert mixed == ["x" * 10, "x" * 5000, "x" * 10]
+        assert exact == [b"y" * 1000] * 3

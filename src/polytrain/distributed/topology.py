@@ -14,6 +14,7 @@ own replica (``dp`` = world size).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,10 @@ import torch.distributed as dist
 from polytrain.distributed.layout import AXES, BATCH
 from polytrain.distributed.lost import LostRanks
 
-_KNOWN_AXES = frozenset(AXES + (BATCH,))  # (asked every step: axis_size("dp") weighs the loss)
+_KNOWN_AXES = frozenset(AXES + (BATCH,))
+#: :meth:`Topology.all_gather_object` gathers objects whose pickle is at most this many bytes in one collective
+GATHER_BYTES = 2048
+_SIZE_BYTES = 8  # (asked every step: axis_size("dp") weighs the loss)
 
 
 @dataclass(frozen=True)
@@ -157,11 +161,27 @@ class Topology:
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order. One collective when every rank's pickle fits
+        :data:`GATHER_BYTES` (a log point's numbers: a few hundred bytes), where ``dist.all_gather_object`` makes
+        two (the sizes, then the bytes); a larger one takes that path after the first (every rank sees the sizes)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = pickle.dumps(obj)
+        row = _SIZE_BYTES + GATHER_BYTES
+        mine = torch.zeros(row, dtype=torch.uint8)
+        mine[:_SIZE_BYTES] = torch.frombuffer(bytearray(len(data).to_bytes(_SIZE_BYTES, "little")), dtype=torch.uint8)
+        if len(data) <= GATHER_BYTES:
+            mine[_SIZE_BYTES:_SIZE_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        device = self.device if self.backend == "nccl" else torch.device("cpu")  # (gloo: host memory)
+        gathered = torch.empty(self.world_size * row, dtype=torch.uint8, device=device)
+        dist.all_gather(list(gathered.view(self.world_size, row)), mine.to(device), group=self.group)
+        rows = gathered.cpu().view(self.world_size, row).numpy()
+        sizes = [int.from_bytes(r[:_SIZE_BYTES].tobytes(), "little") for r in rows]
+        if max(sizes) > GATHER_BYTES:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        return [pickle.loads(r[_SIZE_BYTES:_SIZE_BYTES + n].tobytes()) for r, n in zip(rows, sizes)]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
