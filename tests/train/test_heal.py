@@ -117,6 +117,7 @@ def test_a_replacement_lost_while_the_members_rebuild_2_by_2_is_absorbed_without
     changes = summary["membership_changes"]
     assert [(c["step"], c["workers"], c["lost"]) for c in changes] == [(killed, 3, [3]), (killed + 2, 3, [])], \
         (where, changes)
+    assert changes[1].get("replacements_lost") == [3] and summary["slots_joined"] == [], (where, changes)
     # what this guards against is a wait of --timeout (300 s) inside the mesh's rendezvous; a change takes seconds
     assert changes[1]["seconds"] < 100, (where, changes)
     monkeypatch.delenv(KILL_ENV)

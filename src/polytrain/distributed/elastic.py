@@ -252,13 +252,14 @@ class Membership:
                     f"but did not come to make its group within --timeout {self.timeout.total_seconds():g} s")
             time.sleep(POLL_S)
 
-    def settled(self, before: Generation) -> tuple[list[int], list[int]]:
-        """The slots lost since ``before`` (the last generation that trained) and those joined, over every
-        generation agreed since (one left again before its group trained included); forgets them."""
+    def settled(self, before: Generation) -> tuple[list[int], list[int], list[int]]:
+        """The slots lost since ``before`` (the last generation that trained), those joined, and the replacements
+        admitted and lost again before they trained, over every generation agreed since; forgets them."""
         agreed, self.agreed = self.agreed, []
         lost = [s for s in before.slots if any(s in g.lost for g in agreed)]
         joined = [s for s in self.generation.slots if any(s in g.joined for g in agreed)]
-        return lost, joined
+        gone = sorted({s for g in agreed for s in g.joined if s not in self.generation.slots})
+        return lost, joined, gone
 
     def _arrived(self, number: int, slots: tuple[int, ...]) -> dict[int, int]:
         keys = [self._key(f"g{number}", "arrive", s) for s in slots]

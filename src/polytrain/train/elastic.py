@@ -213,9 +213,10 @@ class ElasticRun:
         if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
             run_log.take_over(trainer.config.tracking, self.membership.tracker_runs(),
                               trainer.config.train.save_model)
-        lost, joined = self.membership.settled(old_generation)  # (over every generation agreed since)
+        lost, joined, gone = self.membership.settled(old_generation)  # (over every generation agreed since)
         record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
-                  "lost": lost, "joined": joined, "seconds": round(seconds, 3)}
+                  "lost": lost, "joined": joined, **({"replacements_lost": gone} if gone else {}),
+                  "seconds": round(seconds, 3)}
         self.changes.append(record)
         if trainer.topology.is_main:
             self.membership.note(record)
@@ -227,6 +228,8 @@ class ElasticRun:
                 what.append(f"worker slot {self.membership.slot} logs, evaluates and saves from here on")
             if joined:
                 what.append(f"replacement(s) for slot(s) {', '.join(map(str, joined))} joined")
+            if gone:
+                what.append(f"replacement(s) for slot(s) {', '.join(map(str, gone))} lost before training")
             get_logger().warning(f"{'; '.join(what) or 'membership renewed'}: going on with {len(generation.slots)} "
                                  f"workers from step {generation.step} (agreed and rebuilt in {seconds:.2f} s; "
                                  "nothing read from disk)")
