@@ -22,3 +22,12 @@ def test_the_cases_and_what_the_suite_refuses():
                               (dict(dp_shard=3), "--dp-shard 3 does not divide --batch-size 8")):
         with pytest.raises(ConfigError, match=message):
             TpBenchConfig(**settings).check()
+
+
+def test_the_plain_loops_step_times_are_taken_by_polytrains_log_intervals():
+    from polytrain.bench.tp_reference import interval_steps
+
+    ends = [float(i * i) for i in range(26)]  # the warm-up's end (step 10), then 25 timed steps
+    # polytrain logs at steps 20, 30 and the last (35): intervals of 10, 10 and 5 steps
+    assert interval_steps(ends, 10, 10) == [100 / 10, 300 / 10, 225 / 5]
+    assert interval_steps(ends[:3], 10, 1) == [1.0, 3.0]  # every step its own

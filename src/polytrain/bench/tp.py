@@ -4,10 +4,12 @@ model and batches, in one run.
 Two cases train the same model from the same initial values on the same batches with the same optimizer:
 
 * ``polytrain --strategy tp --workers T --tp T`` through ``polytrain.fit`` as a user runs it (1 thread a
-  worker), timed from its metrics file's step records (the end of the warm-up to the last step, rank 0's clock);
+  worker), timed from its metrics file's step records (the end of the warm-up to the last step, rank 0's clock),
+  logging every ``--warmup`` steps (10 by default: polytrain's default ``--log-every``), each log point's work
+  counted in the time;
 * the plain loop (:mod:`polytrain.bench.tp_reference`): ``parallelize_module`` with a hand-written plan over a
   1-D mesh, zero_grad / forward / cross-entropy / backward / step, its own ``python`` process, timed over the
-  same steps.
+  same steps; its final loss the mean of the same last steps as polytrain's last record.
 
 With ``--dp-shard S`` (fsdp x tp on one ``dp_shard x tp`` mesh, ``S x T`` processes): ``polytrain --strategy
 fsdp --workers S*T --tp T`` against the plain loop with ``fully_shard`` over ``dp_shard`` after
@@ -45,7 +47,7 @@ class TpBenchConfig:
     batch_size: int = 8
     workers: int = 2  # = --tp: one replica
     dp_shard: int = 1  # > 1: fsdp x tp, each tp group's model also sharded over dp_shard ranks
-    warmup: int = 5
+    warmup: int = 10  # also polytrain's log interval: its default --log-every
     steps: int = 20
     repeats: int = 3
     optimizer: str = "adam"
@@ -118,14 +120,15 @@ def run_polytrain(cfg: TpBenchConfig, repeat: int, workdir: Path, save_model: Pa
     fit(model=cfg.model, data=cfg.data, strategy="tp" if cfg.dp_shard == 1 else "fsdp",
         workers=str(cfg.workers * cfg.dp_shard), tp=cfg.workers,
         threads_per_worker=1, batch_size=cfg.batch_size, steps=total, optimizer=cfg.optimizer, lr=cfg.lr,
-        seed=cfg.seed, device="cpu", timeout=cfg.timeout, host_memory=cfg.host_memory, log_every=1, eval_every=0,
+        seed=cfg.seed, device="cpu", timeout=cfg.timeout, host_memory=cfg.host_memory, log_every=cfg.warmup, eval_every=0,
         histogram_every=0, progress="off", metrics_file=str(metrics),
         **({"save_model": str(save_model)} if save_model else {}))
     records = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "step"}
     if cfg.warmup not in records or total not in records:
         raise BenchError(f"polytrain tp: the metrics file {metrics} has no step record {cfg.warmup} or {total}")
     window = records[total]["time_s"] - records[cfg.warmup]["time_s"]
-    steps = [records[s + 1]["time_s"] - records[s]["time_s"] for s in range(cfg.warmup, total) if s + 1 in records]
+    ends = sorted(step for step in records if step >= cfg.warmup)  # each log interval's mean step
+    steps = [(records[b]["time_s"] - records[a]["time_s"]) / (b - a) for a, b in zip(ends, ends[1:])]
     return {"examples_per_sec": cfg.steps * cfg.batch_size / window, "window_s": window, "step_s": steps,
             "final_loss": records[total]["loss"]}
 
@@ -135,7 +138,7 @@ def plain_command(cfg: TpBenchConfig, result: Path, save_model: Path | None = No
            str(cfg.dp_shard), "--threads", "1",
            "--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size),
            "--warmup", str(cfg.warmup), "--steps", str(cfg.steps), "--optimizer", cfg.optimizer,
-           "--lr", str(cfg.lr), "--seed", str(cfg.seed), "--timeout", str(cfg.timeout),
+           "--lr", str(cfg.lr), "--seed", str(cfg.seed), "--timeout", str(cfg.timeout), "--interval", str(cfg.warmup),
            "--host-memory", cfg.host_memory, "--result", str(result)]
     return cmd + (["--save-model", str(save_model)] if save_model else [])
 

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="the global batch (each rank takes all of it)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up")
+    p.add_argument("--interval", type=int, default=1, help="the step times and the final loss by intervals of N "
+                                                           "steps (the final loss: the last N steps' mean), as "
+                                                           "polytrain's log points every N steps report them")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -117,7 +120,8 @@ def train(rank: int, args: argparse.Namespace) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     plan = BatchPlan(len(data.train), args.batch_size, args.seed)
     ends = []  # the clock at the end of the warm-up and of every timed step
-    for step in range(args.warmup + args.steps):
+    total, losses = args.warmup + args.steps, []
+    for step in range(total):
         if step == args.warmup:
             ends.append(time.perf_counter())
             cpu = time.process_time()
@@ -126,6 +130,8 @@ def train(rank: int, args: argparse.Namespace) -> None:
         loss = cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
+        if step >= total - args.interval:
+            losses.append(loss.detach())
         if step >= args.warmup:
             ends.append(time.perf_counter())
     elapsed = ends[-1] - ends[0]
@@ -137,7 +143,15 @@ def train(rank: int, args: argparse.Namespace) -> None:
         with open(args.result, "w") as fh:
             json.dump({"examples_per_sec": args.steps * args.batch_size / elapsed, "window_s": elapsed, "cpu_s": cpu,
                        "timed_steps": args.steps, "global_batch": args.batch_size,
-                       "step_s": [b - a for a, b in zip(ends, ends[1:])], "final_loss": loss.item()}, fh)
+                       "step_s": interval_steps(ends, args.warmup, args.interval),
+                       "final_loss": torch.stack(losses).mean().item()}, fh)
+
+
+def interval_steps(ends: list[float], warmup: int, interval: int) -> list[float]:
+    """Each interval's mean step time, the intervals ending at the steps polytrain logs at (every ``interval``
+    steps and the last); ``ends``: the clock at the end of the warm-up and of every timed step after it."""
+    marks = [i for i in range(len(ends)) if (warmup + i) % interval == 0 or i == len(ends) - 1]
+    return [(ends[b] - ends[a]) / (b - a) for a, b in zip(marks, marks[1:])]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,7 +93,7 @@ QUICK = {
     "fsdp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "worker_batch_size": 4,
              "warmup": 1, "steps": 2, "repeats": 1},
     "tp": {"model": "transformer_lm:layers=1,dim=16,heads=2", "data": "text:seq_len=16", "batch_size": 4,
-           "warmup": 1, "steps": 2, "repeats": 1},
+           "warmup": 10, "steps": 20, "repeats": 1},  # (a step of tens of ms; the warm-up: a log interval)
     "overhead": {"warmup": 2, "steps": 4, "repeats": 1},
     "goodput": {"duration": 20.0, "failure_every": 8.0, "checkpoint_every_seconds": 4.0, "workers": 2},
 }
