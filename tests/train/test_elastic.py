@@ -225,3 +225,18 @@ def test_a_second_death_during_the_change_is_absorbed_without_waiting_out_the_ti
     plan = batch_plan(build_data("digits").train, BATCH, 0)
     assert sorted(ids) == list(range(1, steps + 1)), where
     assert all(ids[step]["ids"] == plan.global_indices(step - 1).tolist() for step in ids), where
+
+
+def test_a_death_during_start_up_restarts_at_once_instead_of_leaving_its_replacement_waiting(tmp_path, monkeypatch):
+    """Slot 3 SIGKILLs itself during start-up, before the first step: the others fail in sync's start-up collectives
+    (DDP checks every rank's parameters), so no member is left to admit slot 3's replacement. The launcher tells
+    it to leave, and --max-restarts starts the job again at once, not after the replacement waited out --timeout
+    (300 s here: measured before, the restart came 62.6 s after the death with --timeout 60)."""
+    monkeypatch.setenv(CHANGE_KILL_ENV, "3:0:rebuild")  # generation 0's build: the start-up, first attempt only
+    summary = polytrain.fit(workers=4, steps=8, on_failure="continue", max_restarts=1, timeout=300,
+                            checkpoint_dir=str(tmp_path / "ck"), metrics_file=str(tmp_path / "m.jsonl"),
+                            **BASE, **STRATEGIES["sync"])
+    assert summary["steps"] == 8 and summary["workers"] == 4 and summary["restarts"] == 1, summary
+    assert "SIGKILL" in summary["restart_causes"][0]["cause"], summary["restart_causes"]
+    assert summary["total_wall_s"] < 150, summary["restart_causes"]  # a replacement left waiting: over 300 s
+    assert not _workers_left()

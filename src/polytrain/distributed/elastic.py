@@ -350,10 +350,15 @@ class Membership:
 
 def _injected_kill(slot: int, number: int, stage: str = "") -> None:
     """``POLYTRAIN_INJECT_CHANGE_KILL=SLOT:N[:STAGE]`` (tests): SIGKILL this process in the change to generation N,
-    at ``stage`` (none: before its group is made; ``rebuild``: before the strategy is built over it)."""
+    at ``stage`` (none: before its group is made; ``rebuild``: before the strategy is built over it; generation 0's
+    ``rebuild`` is the start-up, in the first attempt only: a restart's start-up goes through)."""
     spec = os.environ.get(CHANGE_KILL_ENV, "")
     parts = spec.split(":")
     if spec and (int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "") == (slot, number, stage):
+        from polytrain.train.faults import attempt_number  # (a testing hook: the restarts are the trainer's)
+
+        if number == 0 and attempt_number():
+            return
         get_logger().warning(f"{CHANGE_KILL_ENV}: worker slot {slot} kills itself in the change to generation "
                              f"{number}{' (' + stage + ')' if stage else ''}", extra=EVERY_RANK)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -410,3 +415,17 @@ def mark_dead(store: dist.Store, slot: int) -> None:
     """The launcher's word that the process of ``slot`` ended: the survivors need not wait for the heartbeat."""
     with contextlib.suppress(Exception):
         store.set(PREFIX + f"/dead/{slot}", repr(time.time()))
+
+
+def admitted(store: dist.Store, slot: int) -> bool:
+    """Whether the replacement now in ``slot`` was admitted by the members (it deletes an earlier one's mark)."""
+    with contextlib.suppress(Exception):
+        return bool(store.check([PREFIX + f"/admitted/{slot}"]))
+    return False
+
+
+def close_admission(store: dist.Store) -> None:
+    """The launcher's word that no member is left to admit anyone: a replacement waiting leaves at once (as at the
+    job's end, :meth:`Membership.close`) instead of waiting out --timeout."""
+    with contextlib.suppress(Exception):
+        store.set(PREFIX + "/closed", "1")

@@ -41,7 +41,7 @@ from polytrain.devices.memory_limit import limited, parse_size
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.cluster import scheduler, scheduler_threads
 from polytrain.distributed.context import Job, WorkerContext
-from polytrain.distributed.elastic import mark_dead
+from polytrain.distributed.elastic import admitted, close_admission, mark_dead
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.processes import forkserver_ready, start_context
 from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
@@ -307,15 +307,25 @@ def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None
 
 def _elastic_replacements(job: "Job", ctx: Any, server: StoreServer, budget: int) -> Callable[[int], Any]:
     """``--on-failure continue``: for each lost rank, say so in the store (the survivors need not wait for the
-    heartbeat) and, while ``budget`` lasts, start a replacement process for it: ``(process, pipe)`` or None."""
-    left = [budget]
+    heartbeat) and, while ``budget`` lasts, start a replacement process for it: ``(process, pipe)`` or None.
+    Once no member is left (every rank lost, or replaced by a process not admitted yet: a death during start-up
+    takes the others with it), the replacements waiting are told to leave, so that the job ends (or restarts) at
+    once rather than after --timeout."""
+    left, gone, joining = [budget], set(), set()
 
     def lost(rank: int) -> tuple[Any, Any] | None:
         if server.store is not None:
             mark_dead(server.store, rank)
+        gone.add(rank)
+        joining.discard(rank)
         if left[0] <= 0:
+            if server.store is not None and len(gone) + len(joining) == job.world_size \
+                    and not any(admitted(server.store, r) for r in joining):
+                close_admission(server.store)
             return None
         left[0] -= 1
+        gone.discard(rank)
+        joining.add(rank)
         with _worker_environment(job.threads), _script_not_rerun(job):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(replace(job, joining=True), rank, send),
