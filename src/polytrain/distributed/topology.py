@@ -25,10 +25,10 @@ import torch.distributed as dist
 from polytrain.distributed.layout import AXES, BATCH
 from polytrain.distributed.lost import LostRanks
 
-_KNOWN_AXES = frozenset(AXES + (BATCH,))
+_KNOWN_AXES = frozenset(AXES + (BATCH,))  # (asked every step: axis_size("dp") weighs the loss)
 #: :meth:`Topology.all_gather_object` gathers objects whose pickle is at most this many bytes in one collective
 GATHER_BYTES = 2048
-_SIZE_BYTES = 8  # (asked every step: axis_size("dp") weighs the loss)
+_SIZE_BYTES = 8  # each row's first bytes: the length of its pickle
 
 
 @dataclass(frozen=True)
