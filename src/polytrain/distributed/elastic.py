@@ -344,8 +344,7 @@ class Membership:
 
     def close(self) -> None:
         """The job's training is over: a replacement still waiting leaves instead of waiting for admission."""
-        with contextlib.suppress(Exception):
-            self.store.set(self._key("closed"), "1")
+        close_admission(self.store)
 
 
 def _injected_kill(slot: int, number: int, stage: str = "") -> None:
