@@ -9,7 +9,8 @@ from datetime import timedelta
 
 import torch
 
-from polytrain.distributed.elastic import PREFIX, Membership, first_generation, mark_dead
+from polytrain.distributed.elastic import Membership, first_generation
+from polytrain.distributed.elastic_keys import PREFIX, mark_dead
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store
 

@@ -46,8 +46,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,13 +54,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.distributed.elastic_keys import JOIN_COUNT, admitted_key, close_admission, dead_key, join_key, key
 from polytrain.distributed.lost import LostRanks
+from polytrain.distributed.teardown import cut_connections, forget_meshes
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError
 from polytrain.log import EVERY_RANK, get_logger
 
-PREFIX = "polytrain/elastic"
-HEARTBEAT_PREFIX = "polytrain/heartbeat"  # the launcher's heartbeat (distributed/heartbeat.py), keyed by slot
 POLL_S = 0.02
 #: for tests: ``SLOT:N``, the member in slot SLOT SIGKILLs itself in the change to generation N, once the decision
 #: (which counts it in) was read and before the new group is made (a second death during a change);
@@ -140,7 +138,7 @@ class Membership:
             self.interim_beat = None
 
     def _key(self, *parts: Any) -> str:
-        return "/".join([PREFIX, *map(str, parts)])
+        return key(*parts)
 
     # -- the group of the current generation ------------------------------------------------------------
 
@@ -214,7 +212,7 @@ class Membership:
             raise Excluded(f"worker slot {self.slot} reached the membership change of generation {number} after "
                            "its peers had agreed on it without it; leaving")
         for slot in decided.joined:  # (every member writes these: any of them may be the one left)
-            self.store.set(self._key("admitted", slot), str(number))
+            self.store.set(admitted_key(slot), str(number))
             self.lost.revive(slot)  # the heartbeat watches the newcomer in its slot again
         self.generation = decided
         self.agreed.append(decided)
@@ -275,17 +273,17 @@ class Membership:
 
     def _joining(self, slot: int) -> bool:
         """A replacement registered for ``slot``, not admitted yet and not dead since."""
-        if not self.store.check([self._key("join", slot)]) or self.store.check([self._key("admitted", slot)]):
+        if not self.store.check([join_key(slot)]) or self.store.check([admitted_key(slot)]):
             return False
         return not self._died(slot)
 
     def _died(self, slot: int) -> bool:
         """The launcher marked a death in ``slot`` after the slot's latest registration (an older mark is the
         replaced process's)."""
-        dead = self._time_mark(self._key("dead", slot))
+        dead = self._time_mark(dead_key(slot))
         if dead is None:
             return False
-        joined = self._time_mark(self._key("join", slot))
+        joined = self._time_mark(join_key(slot))
         return joined is None or dead > joined
 
     def _time_mark(self, key: str) -> float | None:
@@ -300,7 +298,7 @@ class Membership:
     def joiners_waiting(self) -> bool:
         """Whether a replacement waits to be admitted (rank 0 asks at step boundaries; one store call while no
         new registration came)."""
-        count = int(self.store.add(self._key("join", "count"), 0))
+        count = int(self.store.add(JOIN_COUNT, 0))
         if count <= self._joins_seen:
             return False
         if self._joiners():
@@ -365,66 +363,3 @@ def _injected_kill(slot: int, number: int, stage: str = "") -> None:
 
 def first_generation(world_size: int) -> Generation:
     return Generation(0, tuple(range(world_size)), tuple((s, 0) for s in range(world_size)))
-
-
-def cut_connections(keep_port: int | None) -> int:
-    """Shut down this process's established loopback TCP connections (gloo's pairs), all but those to or from
-    ``keep_port`` (the rendezvous store's); how many. Linux only (``/proc``); elsewhere nothing is cut."""
-    table: dict[str, tuple[int, int]] = {}
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            with open(name) as fh:
-                for line in fh.read().splitlines()[1:]:
-                    f = line.split()
-                    local, remote, state, inode = f[1], f[2], f[3], f[9]
-                    loopback = remote.startswith("0100007F") or remote.startswith("0000000000000000FFFF00000100007F") \
-                        or remote.startswith("00000000000000000000000001000000")
-                    if state == "01" and loopback:  # established, to this machine
-                        table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
-    cut = 0
-    with contextlib.suppress(OSError):
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/self/fd/{fd}")
-                ports = table.get(target[8:-1]) if target.startswith("socket:[") else None
-                if ports is None or keep_port in ports:
-                    continue
-                sock = socket.socket(fileno=int(fd))
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    cut += 1
-                finally:
-                    sock.detach()
-    return cut
-
-
-def forget_meshes() -> None:
-    """Forget DTensor's cached sharding decisions once the groups they were made over are gone. A DeviceMesh equals
-    any other of the same shape and axis names whatever its process groups, so a later generation's mesh of the
-    shape of an earlier one (2 x 2 again once a replacement joined 1 x 3) would find them, and the tensors they
-    make (an optimizer's state made as ``zeros_like`` a parameter) would carry the old mesh, whose groups' names
-    no longer resolve, or resolve to other groups."""
-    if "torch.distributed.tensor" in sys.modules:  # (none was made otherwise)
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-
-
-def mark_dead(store: dist.Store, slot: int) -> None:
-    """The launcher's word that the process of ``slot`` ended: the survivors need not wait for the heartbeat."""
-    with contextlib.suppress(Exception):
-        store.set(PREFIX + f"/dead/{slot}", repr(time.time()))
-
-
-def admitted(store: dist.Store, slot: int) -> bool:
-    """Whether the replacement now in ``slot`` was admitted by the members (it deletes an earlier one's mark)."""
-    with contextlib.suppress(Exception):
-        return bool(store.check([PREFIX + f"/admitted/{slot}"]))
-    return False
-
-
-def close_admission(store: dist.Store) -> None:
-    """The launcher's word that no member is left to admit anyone: a replacement waiting leaves at once (as at the
-    job's end, :meth:`Membership.close`) instead of waiting out --timeout."""
-    with contextlib.suppress(Exception):
-        store.set(PREFIX + "/closed", "1")

@@ -15,8 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from polytrain.distributed.elastic import (HEARTBEAT_PREFIX, PREFIX, POLL_S, Generation, Membership,
-                                           first_generation)
+from polytrain.distributed.elastic import POLL_S, Generation, Membership, first_generation
+from polytrain.distributed.elastic_keys import (CLOSED, HEARTBEAT_PREFIX, JOIN_COUNT, admitted_key, join_key,
+                                                key)
 from polytrain.distributed.lost import LostRanks
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger
@@ -31,11 +32,11 @@ def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, ti
     job's training ends: None), and make the new generation's group with them."""
     _fresh_heartbeat(store, slot)
     with contextlib.suppress(Exception):
-        store.delete_key(PREFIX + f"/admitted/{slot}")  # (an earlier replacement's)
+        store.delete_key(admitted_key(slot))  # (an earlier replacement's)
     beat = _InterimBeat(store, slot, heartbeat_timeout)  # until this process's heartbeat starts
-    store.set(PREFIX + f"/join/{slot}", str(time.time()))
-    store.add(PREFIX + "/join/count", 1)
-    admitted, closed = PREFIX + f"/admitted/{slot}", PREFIX + "/closed"
+    store.set(join_key(slot), str(time.time()))
+    store.add(JOIN_COUNT, 1)
+    admitted, closed = admitted_key(slot), CLOSED
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check([admitted]):
         if store.check([closed]):
@@ -47,7 +48,7 @@ def join(store: dist.Store, slot: int, *, backend: str, device: torch.device, ti
                                      f"admitted within --timeout {timeout.total_seconds():g} s")
         time.sleep(POLL_S)
     number = int(store.get(admitted))
-    generation = Generation.from_json(store.get(PREFIX + f"/g{number}/decision"))
+    generation = Generation.from_json(store.get(key(f"g{number}", "decision")))
     membership = Membership(store, slot, generation, backend=backend, device=device, timeout=timeout, lost=lost,
                             heartbeat_timeout=heartbeat_timeout, launched=launched)
     membership.interim_beat = beat
@@ -88,9 +89,9 @@ class _InterimBeat:
 def _fresh_heartbeat(store: dist.Store, slot: int) -> None:
     """A replacement beats on its slot's counter; a goodbye or failure mark left there by the worker it replaces
     (counters past 2**40) is cleared, so the others do not take the newcomer for gone."""
-    key = f"{HEARTBEAT_PREFIX}/beat/{slot}"
-    if int(store.add(key, 0)) >= 1 << 40:
-        store.set(key, "1")
+    beat = f"{HEARTBEAT_PREFIX}/beat/{slot}"
+    if int(store.add(beat, 0)) >= 1 << 40:
+        store.set(beat, "1")
 
 
 def start(store: dist.Store, slot: int, launched: int, *, joining: bool, backend: str, device: torch.device,

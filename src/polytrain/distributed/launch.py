@@ -41,7 +41,7 @@ from polytrain.devices.memory_limit import limited, parse_size
 from polytrain.devices.spec import QUIET, default_backend, parse_device, resolve_device
 from polytrain.distributed.cluster import scheduler, scheduler_threads
 from polytrain.distributed.context import Job, WorkerContext
-from polytrain.distributed.elastic import admitted, close_admission, mark_dead
+from polytrain.distributed.elastic_keys import admitted, close_admission, mark_dead
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.processes import forkserver_ready, start_context
 from polytrain.distributed.rendezvous import StoreServer, connect_store, loopback_interface
