@@ -37,6 +37,7 @@ def test_an_async_run_says_what_it_runs_and_what_a_batch_is(cli_env):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
     assert ("async: 2 worker(s) (ranks 0-1) + 2 parameter server(s) (ranks 2-3), staleness bound 1" in out)
+    assert "parameters cut over the servers, gradients and values through shared memory" in out  # (one machine)
     assert "--overlap: each slice's parameters are pulled while the slice before computes" in out
     assert ("--batch-size 32 counts one step: 2 slices of 16 examples, handed to whichever worker is free, each "
             "applied alone at lr/2") in out

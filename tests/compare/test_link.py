@@ -9,6 +9,7 @@ import os
 import pytest
 
 from polytrain.cli.main import main
+from polytrain.compare.link import link_settings
 from polytrain.netlab import lab_namespaces, unavailable
 
 REASON = unavailable()
@@ -29,7 +30,15 @@ def test_a_rate_given_twice_and_sync_through_shared_memory_are_refused_before_an
                  "--no-plot"]) == 2
     assert capsys.readouterr().err == ("polytrain: error: case sync:comm=shm @1gbit: comm=shm bypasses the emulated "
                                        "network (its namespaces share /dev/shm); drop it, or use comm=backend\n")
+    assert main(["compare", "--strategies", "async:ps_comm=shm", "--link", "1gbit", "--out", str(tmp_path),
+                 "--no-plot"]) == 2
+    assert capsys.readouterr().err == ("polytrain: error: case async:ps_comm=shm @1gbit: ps_comm=shm bypasses the "
+                                       "emulated network (its namespaces share /dev/shm); drop it, or use "
+                                       "ps_comm=backend\n")
     assert not (tmp_path / "runs").exists()
+    # on the link, async's messages go through gloo, as sync's gradients do
+    assert link_settings({"strategy": "async"})["ps_comm"] == "backend"
+    assert link_settings({"strategy": "sync"})["comm"] == "backend"
 
 
 @pytest.mark.slow  # a torchrun job of 2 nodes

@@ -3,8 +3,8 @@
 Each case gets a lab of its own with one node per process of its layout (workers and parameter servers),
 every link limited to the rate each way; ``polytrain train`` runs under torchrun in every node with the
 case's settings written to a config file, and the case is read back from its metrics file as without a link.
-``sync`` averages its gradients through the process group (``comm = "backend"``): its shared-memory path
-would bypass the links, since the namespaces share /dev/shm.
+``sync`` averages its gradients and ``async`` sends its messages through the process group (``comm`` and
+``ps_comm = "backend"``): their shared-memory paths would bypass the links, since the namespaces share /dev/shm.
 
 What the link adds to a case's row, from the interface counters of the busiest node's link (the node that
 sent the most) between the metrics file's ``start`` and ``end`` records (the training loop, its evaluations
@@ -23,7 +23,7 @@ from typing import Any
 from polytrain.errors import ConfigError
 
 #: a strategy's setting that would move its traffic off the links, and the value that keeps it on them
-_ON_THE_LINK = {"comm": ("backend", ("shm",))}
+_ON_THE_LINK = {"comm": ("backend", ("shm",)), "ps_comm": ("backend", ("shm",))}
 
 
 def parse_links(text: str | list[str] | None) -> list[int]:

@@ -127,3 +127,21 @@ def test_async_in_an_own_loop_of_one_process_is_one_line():
                                           "polytrain train or polytrain.fit, which start --workers \\+ --servers "
                                           "processes$"):
         polytrain.launch(_own_loop_async, workers=1)
+
+
+def test_the_mailboxes_and_gloo_messages_train_the_same_model_bit_for_bit(tmp_path):
+    """``--ps-comm shm`` (shared-memory mailboxes, the default on one machine) against ``backend`` (gloo): bulk
+    synchronous with Adam and two servers (the servers' own messages included), so the order is fixed."""
+    settings = dict(steps=12, workers=2, servers=2, staleness=0, optimizer="adam", lr=0.003, checkpoint_every=12)
+    runs = {}
+    for comm in ("shm", "backend"):
+        runs[comm] = _fit(tmp_path, comm, strategy="async", ps_comm=comm, checkpoint_dir=str(tmp_path / f"c-{comm}"),
+                          **settings)
+    (shm, shm_model), (gloo, gloo_model) = runs["shm"], runs["backend"]
+    assert shm_model.keys() == gloo_model.keys() and all(torch.equal(shm_model[k], gloo_model[k]) for k in shm_model)
+    # (the logged loss is a mean over the slices each worker happened to take: equal up to the order of its sum)
+    assert shm["train_loss"] == pytest.approx(gloo["train_loss"], rel=1e-6)
+    assert shm["gradients_applied"] == gloo["gradients_applied"] == 24
+    states = [torch.load(next((tmp_path / f"c-{c}").glob("*.pt")), weights_only=False)["optimizer"]["state"]
+              for c in ("shm", "backend")]
+    assert all(torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) for a, b in zip(states[0].values(), states[1].values()))

@@ -29,6 +29,9 @@ class AsyncConfig:
                                   "its gradient without waiting (one push in flight): hides the exchange, and "
                                   "every gradient is about one slice staler (lower the momentum). Not with "
                                   "--staleness 0 or --tolerate-worker-loss")
+    ps_comm: str = option("auto", "async: how gradients and values travel between workers and servers: shm "
+                                  "(shared memory, every rank on one x86-64 Linux machine), backend (gloo "
+                                  "messages), or auto (shm where it applies)", choices=("auto", "shm", "backend"))
     tolerate_worker_loss: bool = option(False, "async: go on without workers 1..N-1 if they die (their slices "
                                                "go to the others); worker 0 alone logs, evaluates and saves, and "
                                                "the servers must live")

@@ -46,6 +46,8 @@ from torch import nn
 from polytrain.data.batches import Batch, Slice
 from polytrain.distributed.layout import Layout
 from polytrain.distributed.p2p import Channel
+from polytrain.distributed.shm import ShmPlan
+from polytrain.distributed.shm_channel import MailboxLayout, SharedMemoryChannel, gather_mailbox_plan
 from polytrain.distributed.topology import Topology
 from polytrain.errors import CommunicationError, ConfigError
 from polytrain.precision import refuse_loss_scaling
@@ -95,6 +97,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         #: staleness 0 and --tolerate-worker-loss before launch: AsyncDeclared.layout)
         self._overlap = bool(self.options.overlap) and not self.policy.synchronous and not self.tolerant
         self._slices = 0  # slices this worker computed
+        self._comm_plan: ShmPlan | None = None  # how gradients and values travel (prepare decides)
         self._role = self.layout.role(topology.rank)
         if self._role != "server":
             self.out_of_order = Tickets(self)  # every worker draws whole batches; its tickets say which slice
@@ -109,6 +112,8 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         n, s = self.ranks.workers, self.ranks.servers
         text = (f"async: {n} worker(s) ({_ranks(0, n)}) + {s} parameter server(s) ({_ranks(n, n + s)}), "
                 f"{self.policy.describe()}; {self.plan.total:,} parameters cut over the servers")
+        if self._comm_plan is not None:
+            text += f", gradients and values through {_through(self._comm_plan)}"
         if self._overlap:
             text += ("\n  --overlap: each slice's parameters are pulled while the slice before computes, and its "
                      "gradient is pushed without waiting (about one slice staler)")
@@ -134,6 +139,7 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         dtype = next(model.parameters()).dtype
         self.plan = PartitionPlan.for_model(model.named_parameters(), self.ranks.servers)
         self.state_format = StateFormat.probe(make_optimizer, dtype)
+        self._open_mailboxes(dtype)
         if self._role == "server":
             self.model = model  # the server's values live in its flat buffer; this copy only names them
             self.server = self._build_server(make_optimizer, dtype)
@@ -149,6 +155,24 @@ class AsyncParameterServer(AsyncDeclared, Strategy):
         self.optimizer = make_optimizer(self.model.parameters())
         self.client = ParameterClient(self.channel, self.ranks, self.plan, self.model)
         return self.model
+
+    def _open_mailboxes(self, dtype: torch.dtype) -> None:
+        """Gradients and values through shared memory where ``--ps-comm`` allows it and every rank can map it
+        (a collective over every rank, servers included)."""
+        if self.options.ps_comm == "backend":
+            self._comm_plan = ShmPlan(False, "--ps-comm backend")
+            return
+        pairs = [p for w in self.ranks.worker_ranks for s in self.ranks.server_ranks for p in ((w, s), (s, w))]
+        pairs += [(a, b) for a in self.ranks.server_ranks for b in self.ranks.server_ranks if a != b]
+        largest = max(self.plan.numel(s) for s in range(self.ranks.servers)) * dtype.itemsize
+        layout = MailboxLayout.for_messages(self.topology.world_size, pairs, largest)
+        self._comm_plan = gather_mailbox_plan(self.topology, layout)
+        if not self._comm_plan.use:
+            if self.options.ps_comm == "shm":
+                raise ConfigError(f"--ps-comm shm cannot be used: {self._comm_plan.reason}; pass --ps-comm backend "
+                                  "or auto")
+            return
+        self.channel = SharedMemoryChannel.open(self.channel, self.topology, layout)
 
     def _build_server(self, make_optimizer: OptimizerFactory, dtype: torch.dtype) -> ParameterServer:
         """This server rank's :class:`ParameterServer` (a test subclass makes one that fails on purpose)."""
@@ -361,3 +385,7 @@ def _training(model: nn.Module) -> Iterator[None]:
 
 def _ranks(first: int, stop: int) -> str:
     return f"rank {first}" if stop - first == 1 else f"ranks {first}-{stop - 1}"
+
+
+def _through(plan: ShmPlan) -> str:
+    return "shared memory" if plan.use else f"gloo messages ({plan.reason})"
