@@ -106,7 +106,8 @@ def gather_mailbox_plan(topology: Any, layout: MailboxLayout) -> ShmPlan:
 
 class SharedMemoryChannel(Channel):
     """A :class:`Channel` whose messages between the layout's pairs go through ``mapping`` (the module's
-    docstring); ``pids[r]`` is the process of rank ``r`` (for telling a dead peer from a slow one)."""
+    docstring); ``pids[r]`` is the process of rank ``r`` (for telling a dead peer from a slow one; empty: the
+    ranks do not see each other's processes, and only the timeout tells)."""
 
     def __init__(self, channel: Channel, mapping: torch.Tensor, layout: MailboxLayout, pids: Sequence[int]):
         super().__init__(channel.group, channel.timeout, channel.names, channel.me)
@@ -149,7 +150,10 @@ class SharedMemoryChannel(Channel):
         problems = [p for p, _ in facts if p]
         if problems:
             raise ConfigError(f"shared-memory messages failed: {problems[0]}; pass --ps-comm backend")
-        opened = cls(channel, mapping, layout, [pid for _, pid in facts])
+        pids = [pid for _, pid in facts]
+        # a peer's process is checked only where every rank sees every other's (one process namespace)
+        seen = topology.all_gather_object(all(_alive(pid) for pid in pids))
+        opened = cls(channel, mapping, layout, pids if all(seen) else [])
         opened.path = path
         return opened
 
@@ -349,7 +353,7 @@ class SharedMemoryChannel(Channel):
         if now >= deadline:
             raise CommunicationError(f"{self.me}: no answer within {self.timeout.total_seconds():g} s while {doing}; "
                                      "it died or hangs (raise --timeout if it is only slow)")
-        if peer is not None and not _alive(self.pids[peer]):
+        if peer is not None and self.pids and not _alive(self.pids[peer]):
             raise CommunicationError(f"{self.me}: connection lost while {doing}; it exited or crashed")
 
     def _ring(self, pair: int) -> torch.Tensor:
