@@ -131,6 +131,22 @@ def test_a_replacement_lost_while_the_members_rebuild_2_by_2_is_absorbed_without
     assert model.keys() == reference.keys() and all(torch.equal(model[k], reference[k]) for k in model), where
 
 
+def test_a_death_during_start_up_leaves_a_1_by_3_run_from_the_start(tmp_path, monkeypatch):
+    """Slot 1 SIGKILLs itself before the 2 x 2 mesh is made at start-up (whose groups' rendezvous would wait for it):
+    the others find it dead before making the mesh, agree without it and build as 1 x 3 from step 0, equal bit
+    for bit to a 3-worker fsdp run."""
+    monkeypatch.setenv(CHANGE_KILL_ENV, "1:0:rebuild")  # generation 0's build: the start-up, first attempt only
+    summary = polytrain.fit(workers=4, steps=STEPS, on_failure="continue", timeout=300,
+                            save_model=str(tmp_path / "elastic.pt"), **BASE, **HSDP)
+    assert summary["steps"] == STEPS and summary["workers"] == 3, summary
+    assert [(c["step"], c["lost"], c["workers"]) for c in summary["membership_changes"]] == [(0, [1], 3)]
+    assert summary["membership_changes"][0]["seconds"] < 100  # not a wait of --timeout in the mesh's rendezvous
+    monkeypatch.delenv(CHANGE_KILL_ENV)
+    polytrain.fit(workers=3, steps=STEPS, save_model=str(tmp_path / "three.pt"), **BASE)
+    model, reference = torch.load(tmp_path / "elastic.pt"), torch.load(tmp_path / "three.pt")
+    assert model.keys() == reference.keys() and all(torch.equal(model[k], reference[k]) for k in model)
+
+
 def test_each_shard_comes_from_a_holder_at_the_step_and_a_shard_no_survivor_holds_is_one_line():
     # (committed step, shard index, shard count) of each rank of the new group; None: a replacement
     assert sources([(5, 0, 2), (5, 1, 2), (5, 0, 2), None], 5) == [0, 1]

@@ -129,6 +129,8 @@ class Membership:
         self.launched = launched  # slots at launch: 0 .. launched-1
         self._joins_seen = 0
         self.agreed: list[Generation] = []  # generations agreed since the last one that trained (:meth:`settled`)
+        #: (generation before, its clock) of a change while the job started (train/elastic.py build_session)
+        self.start_up_change: tuple[Generation, float] | None = None
         self.interim_beat: Any = None  # a replacement's beats (distributed/joining.py), until its heartbeat starts
 
     def heartbeat_started(self) -> None:
@@ -226,7 +228,7 @@ class Membership:
         :class:`CommunicationError`: the trainer agrees again without it)."""
         g = self.generation
         _injected_kill(self.slot, g.number, "rebuild")
-        if g.number and len(g.slots) > 1:
+        if len(g.slots) > 1:  # (generation 0: the job's start-up, whose members build again without a lost one)
             self._ready(g, "build", "while generation {n} was being built")
 
     def _ready(self, generation: Generation, stage: str, when: str) -> None:

@@ -98,16 +98,25 @@ class ElasticRun:
         self._speaking_as = membership.slot  # the rank this process's logging was set up for (at launch: its slot)
         self._carry: tuple[Any, ...] | None = None  # a change under way: the state it continues from
         self._waited = False  # (tests, JOIN_AT_ENV: this process waited for a joiner once already)
+        self._unwritten: dict[str, Any] | None = None  # a start-up change's record, until the metrics file is open
         self._remember(trainer.strategy)
         self._use(trainer.strategy)
         generation = membership.generation
-        if generation.number:  # a replacement: the others are waiting to hand it the state, then the ids noted
+        if membership.slot in generation.joined:  # a replacement: the others wait to hand it the state, then the ids
             self._receive_into(trainer.strategy, generation)
             self._write_ids([], None, generation, generation)
         self._keep(trainer.strategy)
+        if membership.start_up_change is not None:  # members lost while the job started
+            before, started = membership.start_up_change
+            membership.start_up_change = None
+            self._record(before, generation, time.perf_counter() - started, None)
 
     def started(self, run_log: Any) -> None:
-        """The main rank's trackers' runs, kept in the store: a rank that takes reporting over continues them."""
+        """The main rank's trackers' runs, kept in the store: a rank that takes reporting over continues them; a
+        change during the start-up into the metrics file."""
+        if self._unwritten is not None:
+            run_log._write({"event": "membership", **self._unwritten, "unix_time": time.time()})
+            self._unwritten = None
         if self.trainer.topology.is_main and run_log.run_ids():
             self.membership.keep_tracker_runs(run_log.run_ids())
 
@@ -213,14 +222,25 @@ class ElasticRun:
         if trainer.topology.is_main and not run_log.enabled:  # the main rank was lost: this one reports now
             run_log.take_over(trainer.config.tracking, self.membership.tracker_runs(),
                               trainer.config.train.save_model)
+        self._record(old_generation, generation, seconds, run_log)
+
+    def _record(self, old_generation: Generation, generation: Generation, seconds: float, run_log: Any) -> None:
+        """The change from ``old_generation`` (the last that trained, or the launch's) in the summary, the metrics
+        file (once ``run_log`` is there: a change during the start-up is written when the run starts) and the
+        console."""
+        trainer = self.trainer
         lost, joined, gone = self.membership.settled(old_generation)  # (over every generation agreed since)
-        record = {"step": generation.step, "generation": generation.number, "workers": len(generation.slots),
+        record = {"step": self.session.start_step if run_log is None else generation.step,
+                  "generation": generation.number, "workers": len(generation.slots),
                   "lost": lost, "joined": joined, **({"replacements_lost": gone} if gone else {}),
                   "seconds": round(seconds, 3)}
         self.changes.append(record)
         if trainer.topology.is_main:
             self.membership.note(record)
-            run_log._write({"event": "membership", **record, "unix_time": time.time()})
+            if run_log is None:
+                self._unwritten = record
+            else:
+                run_log._write({"event": "membership", **record, "unix_time": time.time()})
             what = []
             if lost:
                 what.append(f"worker slot(s) {', '.join(map(str, lost))} lost")
@@ -230,9 +250,9 @@ class ElasticRun:
                 what.append(f"replacement(s) for slot(s) {', '.join(map(str, joined))} joined")
             if gone:
                 what.append(f"replacement(s) for slot(s) {', '.join(map(str, gone))} lost before training")
+            how = "nothing read from disk" if run_log is not None else "during the start-up: built again"
             get_logger().warning(f"{'; '.join(what) or 'membership renewed'}: going on with {len(generation.slots)} "
-                                 f"workers from step {generation.step} (agreed and rebuilt in {seconds:.2f} s; "
-                                 "nothing read from disk)")
+                                 f"workers from step {record['step']} (agreed and rebuilt in {seconds:.2f} s; {how})")
 
     def _rebuild(self, module: Any = None) -> Any:
         """This rank's strategy again, over the new generation's group, around the same module: built as at a
@@ -340,6 +360,34 @@ def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:
     if membership is None or not continuing(trainer.config):
         return None
     return ElasticRun(trainer, membership)
+
+
+def build_session(config: Any, layout: Any, membership: Membership | None,
+                  build: Callable[[Any, Any], Any]) -> Any:
+    """``build(layout, None)`` (the session, over the launch's topology), and under ``--on-failure continue``
+    ``build(layout, topology)`` again over the survivors when a member is lost during the start-up: every member
+    builds from the start (the same initial values, or ``--resume``'s checkpoint), so nothing is handed over;
+    :class:`ElasticRun` records the change."""
+    members = None
+    while True:
+        try:
+            return build(layout, members)
+        except Exception as exc:
+            if membership is None or not continuing(config) or not lost_peer(exc) \
+                    or membership.slot in membership.generation.joined:  # (a replacement's state comes from peers)
+                raise
+            exc.__traceback__ = None  # its frames hold the old group's objects
+            started, before = time.perf_counter(), membership.generation
+            generation = membership.change(0, admit=False)
+            from polytrain.strategies import get_strategy
+            from polytrain.strategies.registry import strategy_class
+            from polytrain.train.session import strategy_options
+
+            cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
+            shape = members_layout(cls, len(generation.slots), membership.launched, strategy_options(config, cls))
+            layout = expendable(replace(shape, slices=layout.slices) if layout is not None else shape)
+            membership.start_up_change = (before, started)
+            members = membership.topology()
 
 
 def before_build(config: Any, layout: Any, membership: Membership | None) -> tuple[Any, Any]:

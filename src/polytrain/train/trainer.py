@@ -70,8 +70,9 @@ class Trainer:
         config, layout = elastic.before_build(config, layout, membership)  # --on-failure continue: a replacement
         self.config = config
         self.memory = MemoryMeter((topology or Topology()).device)  # this rank's peak from here; docs/devices.md
-        self.session = session.build(config, topology or Topology(), model=model, data=data, layout=layout,
-                                     before_strategy=membership.ready_to_build if membership is not None else None)
+        ready = membership.ready_to_build if membership is not None else None
+        self.session = elastic.build_session(config, layout, membership, lambda layout, members: session.build(
+            config, members or topology or Topology(), model=model, data=data, layout=layout, before_strategy=ready))
         self.strategy = self.session.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
         self.topology = self.strategy.trainers
