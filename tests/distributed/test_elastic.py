@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 
 from polytrain.distributed.elastic import Membership, first_generation
-from polytrain.distributed.elastic_keys import PREFIX, mark_dead
+from polytrain.distributed.elastic_keys import PREFIX, admitted, admitted_key, dead_key, join_key, key, mark_dead
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store
 
@@ -56,5 +56,20 @@ def test_a_replacement_registered_while_its_slot_is_marked_dead_is_the_joiner():
         time.sleep(0.01)
         store.set(f"{PREFIX}/join/1", repr(time.time()))
         assert member._joiners() == [1]
+    finally:
+        server.close()
+
+
+def test_the_members_read_and_write_the_keys_that_elastic_keys_names():
+    server = StoreServer(timedelta(seconds=5))
+    try:
+        store = connect_store("127.0.0.1", server.port, timedelta(seconds=5))
+        member = _member(store, 0)
+        mark_dead(store, 2)
+        assert store.check([dead_key(2)]) and member._dead(2)
+        store.set(join_key(2), repr(time.time() + 1))  # registered after the death
+        store.set(admitted_key(2), "1")
+        assert admitted(store, 2) and not member._joining(2)
+        assert member._key("g1", "decision") == key("g1", "decision") == "polytrain/elastic/g1/decision"
     finally:
         server.close()

@@ -1,6 +1,6 @@
 """The launcher's and a replacement's words in the store, read back as the other side reads them: a replacement
 waits for ``admitted`` and leaves when the launcher closes admission; the membership's own keys are the ones named
-here."""
+here (tests/distributed/test_elastic.py reads the members' side)."""
 
 import threading
 import time
@@ -8,9 +8,7 @@ from datetime import timedelta
 
 import torch
 
-from polytrain.distributed.elastic import Membership, first_generation
-from polytrain.distributed.elastic_keys import (admitted, admitted_key, close_admission, dead_key, join_key, key,
-                                                mark_dead)
+from polytrain.distributed.elastic_keys import admitted, close_admission, join_key
 from polytrain.distributed.joining import join
 from polytrain.distributed.lost import LostRanks
 from polytrain.distributed.rendezvous import StoreServer, connect_store
@@ -40,22 +38,5 @@ def test_a_waiting_replacement_leaves_as_soon_as_the_launcher_closes_admission()
         thread.join(10)
         assert not thread.is_alive() and joined["membership"] is None
         assert time.monotonic() - started < 5  # not its 30 s timeout
-    finally:
-        server.close()
-
-
-def test_the_members_read_and_write_the_keys_named_here():
-    server = StoreServer(timedelta(seconds=5))
-    try:
-        store = connect_store("127.0.0.1", server.port, timedelta(seconds=5))
-        member = Membership(store, 0, first_generation(3), backend="gloo", device=torch.device("cpu"),
-                            timeout=timedelta(seconds=5), lost=LostRanks(range(3)), heartbeat_timeout=3.0, launched=3)
-        mark_dead(store, 2)
-        assert store.check([dead_key(2)]) and member._dead(2)
-        store.set(join_key(2), repr(time.time() + 1))  # registered after the death
-        assert member._joiners() == [2]
-        store.set(admitted_key(2), "1")
-        assert admitted(store, 2) and not member._joining(2)
-        assert member._key("g1", "decision") == key("g1", "decision") == "polytrain/elastic/g1/decision"
     finally:
         server.close()

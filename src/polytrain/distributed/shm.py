@@ -81,12 +81,10 @@ def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[s
         return ShmPlan(False, "one process: nothing to exchange")
     if device_type != "cpu":
         return ShmPlan(False, f"workers run on {device_type}; shared memory is for CPU workers")
-    if not futex.is_x86_64_linux(system, machine):
-        return ShmPlan(False, f"shared-memory exchange needs x86-64 Linux; this is {machine} {system}")
-    if len(set(machine_ids)) > 1:
-        return ShmPlan(False, f"the {world} workers run on {len(set(machine_ids))} machines")
-    if free_bytes is None:
-        return ShmPlan(False, f"{SHM_DIR} is not available")
+    refused = refusal(machine=machine, system=system, machine_ids=machine_ids, free_bytes=free_bytes,
+                      ranks=f"{world} workers")
+    if refused:
+        return ShmPlan(False, refused)
     chunk = _round_up(max(min(chunk_bytes, largest_bytes), 4096), 4096)
     while chunk > (256 << 10) and region_bytes(world, chunk) > free_bytes // 2:
         chunk //= 2  # a small /dev/shm (containers default to 64 MB) still works, in more rounds
@@ -95,6 +93,18 @@ def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[s
         return ShmPlan(False, f"{SHM_DIR} has {free_bytes >> 20} MiB free and {world} workers need "
                               f"{need >> 20} MiB; enlarge it (docker run --shm-size=1g)")
     return ShmPlan(True, "", chunk)
+
+
+def refusal(*, machine: str, system: str, machine_ids: list[str] | tuple[str, ...], free_bytes: int | None,
+            ranks: str) -> str | None:
+    """Why ``ranks`` (their machines' ids and the least /dev/shm free of them) cannot share memory, or None."""
+    if not futex.is_x86_64_linux(system, machine):
+        return f"shared memory needs x86-64 Linux; this is {machine} {system}"
+    if len(set(machine_ids)) > 1:
+        return f"the {ranks} run on {len(set(machine_ids))} machines"
+    if free_bytes is None:
+        return f"{SHM_DIR} is not available"
+    return None
 
 
 def machine_id() -> str:
@@ -122,6 +132,35 @@ def gather_plan(topology: Any, largest_bytes: int, chunk_bytes: int = DEFAULT_CH
     return plan_shm(device_type=topology.device.type, machine=platform.machine(), system=platform.system(),
                     machine_ids=[mid for mid, _ in facts], largest_bytes=largest_bytes,
                     free_bytes=None if None in frees else min(frees), chunk_bytes=chunk_bytes)
+
+
+def map_shared(topology: Any, size: int, name: str, failed: str, fix: str,
+               extra: Any = None) -> tuple[torch.Tensor, str, list[Any]]:
+    """A file of ``size`` bytes in /dev/shm, made by rank 0 and mapped by every rank, then unlinked (a collective
+    over ``topology``): the mapping, the file's path and every rank's ``extra``. A rank that cannot make or map it
+    is one ConfigError line on every rank: ``failed``, what went wrong, then ``fix``."""
+    path: str | None = None
+    if topology.rank == 0:
+        try:
+            fd, path = tempfile.mkstemp(prefix=f"polytrain-{name}-", dir=SHM_DIR)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        except OSError as exc:  # told to the others through the broadcast, so nobody waits for it
+            path = f"!rank 0 cannot create a {size >> 20} MiB file in {SHM_DIR}: {exc.strerror}"
+    path = topology.broadcast_object(path)
+    if path.startswith("!"):
+        raise ConfigError(f"{failed}: {path[1:]}; {fix}")
+    try:
+        mapping, problem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8), None
+    except (OSError, RuntimeError) as exc:
+        mapping, problem = None, f"rank {topology.rank} cannot map {path}: {exc}"
+    facts = topology.all_gather_object((problem, extra))  # everyone has mapped or failed
+    if topology.rank == 0:
+        os.unlink(path)
+    problems = [p for p, _ in facts if p]
+    if problems:
+        raise ConfigError(f"{failed}: {problems[0]}; {fix}")
+    return mapping, path, [e for _, e in facts]
 
 
 class SharedMemoryAllReduce:
@@ -153,28 +192,8 @@ class SharedMemoryAllReduce:
     @classmethod
     def open(cls, topology: Any, chunk_bytes: int) -> "SharedMemoryAllReduce":
         """Create (rank 0) and map (every rank) the region; a collective."""
-        size = region_bytes(topology.world_size, chunk_bytes)
-        path: str | None = None
-        if topology.rank == 0:
-            try:
-                fd, path = tempfile.mkstemp(prefix="polytrain-allreduce-", dir=SHM_DIR)
-                os.ftruncate(fd, size)
-                os.close(fd)
-            except OSError as exc:  # told to the others through the broadcast, so nobody waits for it
-                path = f"!rank 0 cannot create a {size >> 20} MiB file in {SHM_DIR}: {exc.strerror}"
-        path = topology.broadcast_object(path)
-        if path.startswith("!"):
-            raise ConfigError(f"shared-memory gradient exchange failed: {path[1:]}; pass --comm backend")
-        try:
-            mapping = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            problem = None
-        except (OSError, RuntimeError) as exc:
-            mapping, problem = None, f"rank {topology.rank} cannot map {path}: {exc}"
-        problems = [p for p in topology.all_gather_object(problem) if p]  # everyone has mapped or failed
-        if topology.rank == 0:
-            os.unlink(path)
-        if problems:
-            raise ConfigError(f"shared-memory gradient exchange failed: {problems[0]}; pass --comm backend")
+        mapping, path, _ = map_shared(topology, region_bytes(topology.world_size, chunk_bytes), "allreduce",
+                                      "shared-memory gradient exchange failed", "pass --comm backend")
         exchange = cls(mapping, topology.rank, topology.world_size, chunk_bytes, topology.timeout.total_seconds())
         exchange.path = path
         return exchange

@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import os
 import platform
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -45,8 +44,8 @@ import torch
 
 from polytrain.distributed import futex
 from polytrain.distributed.p2p import Channel, Message
-from polytrain.distributed.shm import SHM_DIR, ShmPlan, machine_id, shm_free_bytes
-from polytrain.errors import CommunicationError, ConfigError
+from polytrain.distributed.shm import SHM_DIR, ShmPlan, machine_id, map_shared, refusal, shm_free_bytes
+from polytrain.errors import CommunicationError
 
 FRAME = 64  # bytes: a frame header, and the alignment of every frame
 _MAGIC = 0x706F6C79  # "poly": a frame header's first word
@@ -83,12 +82,10 @@ class MailboxLayout:
 def plan_mailboxes(*, machine: str, system: str, machine_ids: Sequence[str], free_bytes: int | None,
                    need_bytes: int) -> ShmPlan:
     """Whether the messages may go through shared memory (the same facts give every rank the same answer)."""
-    if not futex.is_x86_64_linux(system, machine):
-        return ShmPlan(False, f"shared memory needs x86-64 Linux; this is {machine} {system}")
-    if len(set(machine_ids)) > 1:
-        return ShmPlan(False, f"the ranks run on {len(set(machine_ids))} machines")
-    if free_bytes is None:
-        return ShmPlan(False, f"{SHM_DIR} is not available")
+    refused = refusal(machine=machine, system=system, machine_ids=list(machine_ids), free_bytes=free_bytes,
+                      ranks="ranks")
+    if refused:
+        return ShmPlan(False, refused)
     if need_bytes > free_bytes // 2:
         return ShmPlan(False, f"{SHM_DIR} has {free_bytes >> 20} MiB free and the mailboxes need "
                               f"{need_bytes >> 20} MiB; enlarge it (docker run --shm-size=1g)")
@@ -129,28 +126,8 @@ class SharedMemoryChannel(Channel):
     @classmethod
     def open(cls, channel: Channel, topology: Any, layout: MailboxLayout) -> "SharedMemoryChannel":
         """Create (rank 0) and map (every rank) the region; a collective over ``topology``."""
-        path: str | None = None
-        if topology.rank == 0:
-            try:
-                fd, path = tempfile.mkstemp(prefix="polytrain-mailboxes-", dir=SHM_DIR)
-                os.ftruncate(fd, layout.total_bytes)
-                os.close(fd)
-            except OSError as exc:  # told to the others through the broadcast, so nobody waits for it
-                path = f"!rank 0 cannot create a {layout.total_bytes >> 20} MiB file in {SHM_DIR}: {exc.strerror}"
-        path = topology.broadcast_object(path)
-        if path.startswith("!"):
-            raise ConfigError(f"shared-memory messages failed: {path[1:]}; pass --ps-comm backend")
-        try:
-            mapping, problem = torch.from_file(path, shared=True, size=layout.total_bytes, dtype=torch.uint8), None
-        except (OSError, RuntimeError) as exc:
-            mapping, problem = None, f"rank {topology.rank} cannot map {path}: {exc}"
-        facts = topology.all_gather_object((problem, os.getpid()))  # everyone has mapped or failed
-        if topology.rank == 0:
-            os.unlink(path)
-        problems = [p for p, _ in facts if p]
-        if problems:
-            raise ConfigError(f"shared-memory messages failed: {problems[0]}; pass --ps-comm backend")
-        pids = [pid for _, pid in facts]
+        mapping, path, pids = map_shared(topology, layout.total_bytes, "mailboxes", "shared-memory messages failed",
+                                         "pass --ps-comm backend", extra=os.getpid())
         # a peer's process is checked only where every rank sees every other's (one process namespace)
         seen = topology.all_gather_object(all(_alive(pid) for pid in pids))
         opened = cls(channel, mapping, layout, pids if all(seen) else [])
