@@ -258,8 +258,9 @@ class SharedMemoryChannel(Channel):
         start = tail % self.layout.capacity
         magic, tag, nbytes = self._ring(pair)[start:start + 24].view(torch.int64).tolist()
         if magic != _MAGIC:
-            raise CommunicationError(f"{self.me}: a shared-memory message from {self.names(self.layout.pairs[pair][0])} "
-                                     "is corrupt (no frame header where one should be)")
+            sender = self.names(self.layout.pairs[pair][0])
+            raise CommunicationError(f"{self.me}: a shared-memory message from {sender} is corrupt (no frame header "
+                                     "where one should be)")
         return tag, nbytes
 
     def _read_frame(self, src: int, nbytes: int, tensor: torch.Tensor, deadline: float) -> None:

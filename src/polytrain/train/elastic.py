@@ -38,10 +38,8 @@ a lost worker's slices of committed steps are the ones the plan gave it (it cann
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -53,9 +51,9 @@ from polytrain.distributed.elastic import Generation, Membership, MembershipErro
 from polytrain.errors import CommunicationError
 from polytrain.log import get_logger, setup_logging
 from polytrain.train.background import copy_state
-from polytrain.train.faults import KILL_ENV, agree_with_rank0
+from polytrain.train.faults import agree_with_rank0
 from polytrain.train.heal import heal
-from polytrain.train.on_failure import continuing, expendable, members_layout
+from polytrain.train.on_failure import continuing, members_layout
 
 #: for tests: replacements are admitted at the first step boundary from this step on, which waits for one
 JOIN_AT_ENV = "POLYTRAIN_INJECT_JOIN_AT"
@@ -360,52 +358,3 @@ def attach(trainer: Any, membership: Membership | None) -> ElasticRun | None:
     if membership is None or not continuing(trainer.config):
         return None
     return ElasticRun(trainer, membership)
-
-
-def build_session(config: Any, layout: Any, membership: Membership | None,
-                  build: Callable[[Any, Any], Any]) -> Any:
-    """``build(layout, None)`` (the session, over the launch's topology), and under ``--on-failure continue``
-    ``build(layout, topology)`` again over the survivors when a member is lost during the start-up: every member
-    builds from the start (the same initial values, or ``--resume``'s checkpoint), so nothing is handed over;
-    :class:`ElasticRun` records the change."""
-    members = None
-    while True:
-        try:
-            return build(layout, members)
-        except Exception as exc:
-            if membership is None or not continuing(config) or not lost_peer(exc) \
-                    or membership.slot in membership.generation.joined:  # (a replacement's state comes from peers)
-                raise
-            exc.__traceback__ = None  # its frames hold the old group's objects
-            started, before = time.perf_counter(), membership.generation
-            generation = membership.change(0, admit=False)
-            from polytrain.strategies import get_strategy
-            from polytrain.strategies.registry import strategy_class
-            from polytrain.train.session import strategy_options
-
-            cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
-            shape = members_layout(cls, len(generation.slots), membership.launched, strategy_options(config, cls))
-            layout = expendable(replace(shape, slices=layout.slices) if layout is not None else shape)
-            membership.start_up_change = (before, started)
-            members = membership.topology()
-
-
-def before_build(config: Any, layout: Any, membership: Membership | None) -> tuple[Any, Any]:
-    """What a replacement builds its session from: the layout of the generation it joins (the global batch still
-    cut as at launch for the checks; the trainer re-cuts it over the members), and no ``--resume``: its state
-    comes from a peer, not from disk."""
-    if membership is None or not membership.generation.number:
-        return config, layout
-    os.environ.pop(KILL_ENV, None)  # the testing hook's kill was the replaced worker's, not its replacement's
-    from polytrain.strategies import get_strategy
-    from polytrain.strategies.registry import strategy_class
-    from polytrain.train.session import strategy_options
-
-    cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
-    members = members_layout(cls, len(membership.generation.slots), membership.launched,
-                             strategy_options(config, cls))
-    layout = expendable(replace(members, slices=layout.slices) if layout is not None else members)
-    if config.checkpoint.resume:
-        config = copy.deepcopy(config)
-        config.checkpoint.resume = False
-    return config, layout

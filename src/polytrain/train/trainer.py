@@ -38,7 +38,7 @@ from polytrain.distributed.topology import Topology
 from polytrain.devices.soft import operator_errors
 from polytrain.errors import DivergedError, RunStopped
 from polytrain.strategies.step import RunSource
-from polytrain.train import elastic, outputs, session
+from polytrain.train import elastic, elastic_build, outputs, session
 from polytrain.train.background import CheckpointWrites
 from polytrain.train.snapshot import snapshot_due, snapshots_of
 from polytrain.train.evaluation import EvalBatchSize, evaluate, saved_first
@@ -67,11 +67,11 @@ class Trainer:
     def __init__(self, config: RunConfig, topology: Topology | None = None, *,
                  model: nn.Module | None = None, data: DataBundle | None = None, stop: StopSignal | None = None,
                  layout: Layout | None = None, membership: Any = None):
-        config, layout = elastic.before_build(config, layout, membership)  # --on-failure continue: a replacement
+        config, layout = elastic_build.before_build(config, layout, membership)  # --on-failure continue: a replacement
         self.config = config
         self.memory = MemoryMeter((topology or Topology()).device)  # this rank's peak from here; docs/devices.md
         ready = membership.ready_to_build if membership is not None else None
-        self.session = elastic.build_session(config, layout, membership, lambda layout, members: session.build(
+        self.session = elastic_build.build_session(config, layout, membership, lambda layout, members: session.build(
             config, members or topology or Topology(), model=model, data=data, layout=layout, before_strategy=ready))
         self.strategy = self.session.strategy
         #: the ranks that train: metrics, evaluation and the NaN guard are reduced over them
