@@ -308,9 +308,8 @@ def _spawn(job: "Job", master_port: int | None, rank_names: Sequence[str] | None
 def _elastic_replacements(job: "Job", ctx: Any, server: StoreServer, budget: int) -> Callable[[int], Any]:
     """``--on-failure continue``: for each lost rank, say so in the store (the survivors need not wait for the
     heartbeat) and, while ``budget`` lasts, start a replacement process for it: ``(process, pipe)`` or None.
-    Once no member is left (every rank lost, or replaced by a process not admitted yet: a death during start-up
-    takes the others with it), the replacements waiting are told to leave, so that the job ends (or restarts) at
-    once rather than after --timeout."""
+    Once no member is left (every rank lost, or replaced by a process not admitted yet), the replacements waiting
+    are told to leave, so that the job ends (or restarts) at once rather than after --timeout."""
     left, gone, joining = [budget], set(), set()
 
     def lost(rank: int) -> tuple[Any, Any] | None:

@@ -65,7 +65,7 @@ class ShmPlan:
 
 def header_bytes(world_size: int) -> int:
     """Bytes of the counters, rounded up to whole pages (one page up to 32 ranks)."""
-    return _round_up(world_size * _COUNTER_STRIDE * 8, _PAGE)
+    return round_up(world_size * _COUNTER_STRIDE * 8, _PAGE)
 
 
 def region_bytes(world_size: int, chunk_bytes: int) -> int:
@@ -85,7 +85,7 @@ def plan_shm(*, device_type: str, machine: str, system: str, machine_ids: list[s
                       ranks=f"{world} workers")
     if refused:
         return ShmPlan(False, refused)
-    chunk = _round_up(max(min(chunk_bytes, largest_bytes), 4096), 4096)
+    chunk = round_up(max(min(chunk_bytes, largest_bytes), 4096), 4096)
     while chunk > (256 << 10) and region_bytes(world, chunk) > free_bytes // 2:
         chunk //= 2  # a small /dev/shm (containers default to 64 MB) still works, in more rounds
     need = region_bytes(world, chunk)
@@ -125,13 +125,19 @@ def shm_free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def gather_plan(topology: Any, largest_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShmPlan:
-    """Every rank states its machine; all ranks then decide alike (a collective: call it on every rank)."""
+def gather_facts(topology: Any) -> dict[str, Any]:
+    """What decides whether the ranks can share memory, the same on every rank (a collective): this machine's
+    platform, every rank's machine id and the least /dev/shm free of them (None: one has none)."""
     facts = topology.all_gather_object((machine_id(), shm_free_bytes()))
     frees = [free for _, free in facts]
-    return plan_shm(device_type=topology.device.type, machine=platform.machine(), system=platform.system(),
-                    machine_ids=[mid for mid, _ in facts], largest_bytes=largest_bytes,
-                    free_bytes=None if None in frees else min(frees), chunk_bytes=chunk_bytes)
+    return dict(machine=platform.machine(), system=platform.system(), machine_ids=[mid for mid, _ in facts],
+                free_bytes=None if None in frees else min(frees))
+
+
+def gather_plan(topology: Any, largest_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShmPlan:
+    """Every rank states its machine; all ranks then decide alike (a collective: call it on every rank)."""
+    return plan_shm(device_type=topology.device.type, largest_bytes=largest_bytes, chunk_bytes=chunk_bytes,
+                    **gather_facts(topology))
 
 
 def map_shared(topology: Any, size: int, name: str, failed: str, fix: str,
@@ -264,7 +270,7 @@ class SharedMemoryAllReduce:
         return tensor
 
     def _share(self, count: int) -> tuple[int, int]:
-        step = _round_up(-(-count // self.world_size), _ALIGN)
+        step = round_up(-(-count // self.world_size), _ALIGN)
         lo = min(self.rank * step, count)
         return lo, min(lo + step, count)
 
@@ -304,5 +310,5 @@ def _serve(requests: queue.SimpleQueue, exchange_ref: "weakref.ref[SharedMemoryA
         del exchange, item  # hold no reference while idle
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

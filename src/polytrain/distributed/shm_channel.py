@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 
 from polytrain.distributed import futex
 from polytrain.distributed.p2p import Channel, Message
-from polytrain.distributed.shm import SHM_DIR, ShmPlan, machine_id, map_shared, refusal, shm_free_bytes
+from polytrain.distributed.shm import SHM_DIR, ShmPlan, gather_facts, map_shared, refusal, round_up
 from polytrain.errors import CommunicationError
 
 FRAME = 64  # bytes: a frame header, and the alignment of every frame
@@ -66,7 +65,7 @@ class MailboxLayout:
 
     @property
     def counters_bytes(self) -> int:
-        return _round_up((2 * len(self.pairs) + self.ranks) * _STRIDE * 8, _PAGE)
+        return round_up((2 * len(self.pairs) + self.ranks) * _STRIDE * 8, _PAGE)
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +74,7 @@ class MailboxLayout:
     @classmethod
     def for_messages(cls, ranks: int, pairs: Sequence[tuple[int, int]], largest_bytes: int) -> "MailboxLayout":
         """Rings that hold two of the largest message with room to spare (a larger one streams through)."""
-        capacity = _round_up(max(2 * (largest_bytes + FRAME) + (64 << 10), 1 << 20), _PAGE)
+        capacity = round_up(max(2 * (largest_bytes + FRAME) + (64 << 10), 1 << 20), _PAGE)
         return cls(ranks, tuple(pairs), min(capacity, 256 << 20))
 
 
@@ -94,11 +93,7 @@ def plan_mailboxes(*, machine: str, system: str, machine_ids: Sequence[str], fre
 
 def gather_mailbox_plan(topology: Any, layout: MailboxLayout) -> ShmPlan:
     """Every rank states its machine and its /dev/shm; all decide alike (a collective over ``topology``)."""
-    facts = topology.all_gather_object((machine_id(), shm_free_bytes()))
-    frees = [free for _, free in facts]
-    return plan_mailboxes(machine=platform.machine(), system=platform.system(),
-                          machine_ids=[mid for mid, _ in facts], free_bytes=None if None in frees else min(frees),
-                          need_bytes=layout.total_bytes)
+    return plan_mailboxes(need_bytes=layout.total_bytes, **gather_facts(topology))
 
 
 class SharedMemoryChannel(Channel):
@@ -119,7 +114,7 @@ class SharedMemoryChannel(Channel):
         self._sources = [src for src, dst in layout.pairs if dst == self.rank]
         self._next_source = 0  # where a receive from any rank starts looking (each in turn)
         self._aside: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
-        self._send_lock, self._recv_lock = threading.Lock(), threading.RLock()
+        self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._use_futex = futex.available()
         self._waits = threading.local()  # each thread's last check of a peer's process
 
@@ -186,7 +181,7 @@ class SharedMemoryChannel(Channel):
         frame = torch.tensor([_MAGIC, tag, data.numel(), 0, 0, 0, 0, 0], dtype=torch.int64).view(torch.uint8)
         pair = self._index[(self.rank, dst)]
         with self._send_lock:
-            self._write(pair, dst, (frame, data), _round_up(data.numel(), FRAME) - data.numel(), deadline)
+            self._write(pair, dst, (frame, data), round_up(data.numel(), FRAME) - data.numel(), deadline)
 
     def _write(self, pair: int, dst: int, pieces: tuple[torch.Tensor, ...], pad: int, deadline: float) -> None:
         """``pieces`` then ``pad`` bytes into the ring of ``pair`` as it has room: the head published (and the
@@ -265,14 +260,11 @@ class SharedMemoryChannel(Channel):
 
     def _read_frame(self, src: int, nbytes: int, tensor: torch.Tensor, deadline: float) -> None:
         """The message at the front of the ring from ``src`` (its header already seen) into ``tensor``."""
-        want = tensor.numel() * tensor.element_size()
-        if want != nbytes:
-            raise CommunicationError(f"{self.me}: expected {want} bytes from {self.names(src)}, got a message of "
-                                     f"{nbytes}: the two sides disagree on the protocol")
+        self._expect(tensor, nbytes, src)
         pair, cap = self._index[(src, self.rank)], self.layout.capacity
         ring = self._ring(pair)
         out = tensor.view(-1).view(torch.uint8) if tensor.is_contiguous() else torch.empty(nbytes, dtype=torch.uint8)
-        tail, offset, end = self._tail[pair] + FRAME, 0, self._tail[pair] + FRAME + _round_up(nbytes, FRAME)
+        tail, offset, end = self._tail[pair] + FRAME, 0, self._tail[pair] + FRAME + round_up(nbytes, FRAME)
         while tail < end:
             head = int(self._heads[pair])
             if head == tail:
@@ -299,12 +291,16 @@ class SharedMemoryChannel(Channel):
                 futex.wake(self._tails[pair].data_ptr())
 
     def _fill(self, tensor: torch.Tensor, kept: torch.Tensor, src: int) -> torch.Tensor:
-        want = tensor.numel() * tensor.element_size()
-        if want != kept.numel():
-            raise CommunicationError(f"{self.me}: expected {want} bytes from {self.names(src)}, got a message of "
-                                     f"{kept.numel()}: the two sides disagree on the protocol")
+        self._expect(tensor, kept.numel(), src)
         tensor.copy_(kept.view(tensor.dtype).view(tensor.shape))
         return tensor
+
+    def _expect(self, tensor: torch.Tensor, nbytes: int, src: int) -> None:
+        """A message of ``nbytes`` from ``src`` goes into ``tensor`` only if that is its size."""
+        want = tensor.numel() * tensor.element_size()
+        if want != nbytes:
+            raise CommunicationError(f"{self.me}: expected {want} bytes from {self.names(src)}, got a message of "
+                                     f"{nbytes}: the two sides disagree on the protocol")
 
     # -- waiting --------------------------------------------------------------------------------------
 
@@ -347,7 +343,3 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

@@ -32,14 +32,8 @@ def build_session(config: Any, layout: Any, membership: Membership | None,
                 raise
             exc.__traceback__ = None  # its frames hold the old group's objects
             started, before = time.perf_counter(), membership.generation
-            generation = membership.change(0, admit=False)
-            from polytrain.strategies import get_strategy
-            from polytrain.strategies.registry import strategy_class
-            from polytrain.train.session import strategy_options
-
-            cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
-            shape = members_layout(cls, len(generation.slots), membership.launched, strategy_options(config, cls))
-            layout = expendable(replace(shape, slices=layout.slices) if layout is not None else shape)
+            membership.change(0, admit=False)
+            layout = _members(config, layout, membership)
             membership.start_up_change = (before, started)
             members = membership.topology()
 
@@ -51,15 +45,20 @@ def before_build(config: Any, layout: Any, membership: Membership | None) -> tup
     if membership is None or not membership.generation.number:
         return config, layout
     os.environ.pop(KILL_ENV, None)  # the testing hook's kill was the replaced worker's, not its replacement's
+    layout = _members(config, layout, membership)
+    if config.checkpoint.resume:
+        config = copy.deepcopy(config)
+        config.checkpoint.resume = False
+    return config, layout
+
+
+def _members(config: Any, layout: Any, membership: Membership) -> Any:
+    """The layout of the membership's current generation, every rank expendable (the global batch still cut as at
+    launch, ``layout``'s slices, for the checks; the trainer re-cuts it over the members)."""
     from polytrain.strategies import get_strategy
     from polytrain.strategies.registry import strategy_class
     from polytrain.train.session import strategy_options
 
     cls = strategy_class(config, layout) if layout is not None else get_strategy(config.train.strategy)
-    members = members_layout(cls, len(membership.generation.slots), membership.launched,
-                             strategy_options(config, cls))
-    layout = expendable(replace(members, slices=layout.slices) if layout is not None else members)
-    if config.checkpoint.resume:
-        config = copy.deepcopy(config)
-        config.checkpoint.resume = False
-    return config, layout
+    members = members_layout(cls, len(membership.generation.slots), membership.launched, strategy_options(config, cls))
+    return expendable(replace(members, slices=layout.slices) if layout is not None else members)
